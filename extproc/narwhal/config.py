@@ -1,0 +1,193 @@
+"""Configuration: one YAML file, every key defaulted, every mistake named precisely.
+
+Unknown keys are errors, not warnings: a misspelt limit silently left at its default
+is exactly the kind of surprise an admission controller must not have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, with the dotted path of the offending key."""
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    model: str = "narwhal-sim"
+    max_request_bytes: int = 1_048_576
+    host: str = "127.0.0.1"
+    extproc_port: int = 9002
+    max_event_bytes: int = 1_048_576
+    max_response_bytes: int = 16_777_216
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    mode: str = "predictive"
+    ttft_target_ms: int = 2000
+    retention_limit: int = 1024
+    queue_limit: int = 256
+    max_wait_ms: int = 10_000
+    request_timeout_ms: int = 600_000
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduler:
+    max_prefill_per_engine: int = 4
+    max_decode_per_engine: int = 64
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    name: str
+    url: str
+    dialect: str = "vllm"
+
+    @property
+    def endpoint(self) -> str:
+        """The ``ip:port`` Envoy's ORIGINAL_DST cluster connects to."""
+        parts = urlsplit(self.url)
+        return f"{parts.hostname}:{parts.port or 80}"
+
+
+@dataclass(frozen=True, slots=True)
+class Router:
+    role: str = "active"
+
+
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 9090
+    health_interval_ms: int = 1000
+    health_timeout_ms: int = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    serving: Serving = field(default_factory=Serving)
+    admission: Admission = field(default_factory=Admission)
+    scheduler: Scheduler = field(default_factory=Scheduler)
+    engines: tuple[EngineConfig, ...] = ()
+    router: Router = field(default_factory=Router)
+    telemetry: Telemetry = field(default_factory=Telemetry)
+
+
+CHOICES = {
+    "admission.mode": ("predictive", "open"),
+    "router.role": ("active", "standby"),
+    "engines.dialect": ("vllm", "openai"),
+}
+POSITIVE = {
+    "serving.max_request_bytes", "serving.max_event_bytes", "serving.max_response_bytes",
+    "admission.ttft_target_ms", "admission.retention_limit", "admission.max_wait_ms",
+    "admission.request_timeout_ms", "scheduler.max_prefill_per_engine",
+    "scheduler.max_decode_per_engine", "telemetry.health_interval_ms",
+    "telemetry.health_timeout_ms",
+}
+PORTS = {"serving.extproc_port", "telemetry.admin_port"}
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{path}.{unknown[0]}: unknown key (known: {', '.join(sorted(names))})")
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        key = f"{path}.{f.name}"
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{key}: required")
+            continue
+        values[f.name] = _check(hints[f.name], data[f.name], key)
+    return cls(**values)
+
+
+def _check(hint: Any, value: Any, key: str) -> Any:
+    generic_key = key.split("[")[0] + key[key.rfind("]") + 1:] if "[" in key else key
+    if hint is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if generic_key in POSITIVE and value <= 0:
+            raise ConfigError(f"{key}: must be positive, got {value}")
+        if generic_key in PORTS and not 0 < value < 65536:
+            raise ConfigError(f"{key}: not a port number: {value}")
+        if value < 0:
+            raise ConfigError(f"{key}: must not be negative, got {value}")
+        return value
+    if hint is str:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
+        allowed = CHOICES.get(generic_key)
+        if allowed and value not in allowed:
+            raise ConfigError(f"{key}: must be one of {', '.join(allowed)}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    raise TypeError(f"unsupported config type {hint!r}")  # pragma: no cover
+
+
+def _engines(data: Any) -> tuple[EngineConfig, ...]:
+    if data is None:
+        return ()
+    if not isinstance(data, list):
+        raise ConfigError("engines: expected a list of engines")
+    engines = []
+    for i, item in enumerate(data):
+        eng = _build(EngineConfig, item, f"engines[{i}]")
+        parts = urlsplit(eng.url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ConfigError(f"engines[{i}].url: expected http://host:port, got {eng.url!r}")
+        if eng.dialect not in CHOICES["engines.dialect"]:
+            raise ConfigError(f"engines[{i}].dialect: must be one of vllm, openai, got {eng.dialect!r}")
+        engines.append(eng)
+    names = [e.name for e in engines]
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(f"engines: duplicate engine name {name!r}")
+    return tuple(engines)
+
+
+def parse(data: Any) -> Config:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("config: expected a mapping at the top level")
+    sections = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(data) - sections)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown section (known: {', '.join(sorted(sections))})")
+    kwargs: dict[str, Any] = {"engines": _engines(data.get("engines"))}
+    hints = typing.get_type_hints(Config)
+    for name in sections - {"engines"}:
+        kwargs[name] = _build(hints[name], data.get(name), name)
+    return Config(**kwargs)
+
+
+def load(path: str | Path) -> Config:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    return parse(data)
+
+

@@ -1,0 +1,293 @@
+"""Non-streaming assembly: one final response from the engine's event stream.
+
+The seed's assembly table is implemented field by field. Anything the engine sends
+that Narwhal cannot faithfully fold into a non-streaming response (audio,
+annotations, custom tool output, unknown fields with a value, malformed supported
+fields) is an :class:`EngineOutputError`, which the exchange turns into a 502.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .meter import EngineOutputError
+
+STRING_DELTAS = ("content", "reasoning", "reasoning_content", "refusal")
+CHAT_CHOICE_KEYS = frozenset({"index", "delta", "logprobs", "finish_reason", "stop_reason",
+                              "token_ids"})
+TEXT_CHOICE_KEYS = frozenset({"index", "text", "logprobs", "finish_reason", "stop_reason",
+                              "token_ids", "prompt_logprobs"})
+DELTA_KEYS = frozenset({"role", "content", "reasoning", "reasoning_content", "refusal",
+                        "tool_calls", "function_call", "token_ids"})
+TOOL_CALL_KEYS = frozenset({"index", "id", "type", "function"})
+TEXT_LOGPROB_KEYS = ("tokens", "token_logprobs", "text_offset", "top_logprobs")
+# Top-level keys the assembler rebuilds itself rather than copying as metadata.
+REBUILT = frozenset({"choices", "usage", "object", "prompt_token_ids"})
+
+
+def _has_value(v: Any) -> bool:
+    return v is not None and v != [] and v != {} and v != ""
+
+
+def _bad(what: str) -> EngineOutputError:
+    return EngineOutputError(f"malformed engine output: {what}")
+
+
+def _unsupported(what: str) -> EngineOutputError:
+    return EngineOutputError(f"unsupported engine output for a non-streaming response: {what}")
+
+
+def _join_repeat_aware(parts: list[str], frag: str) -> None:
+    """Concatenate, except that a fragment repeating the whole value so far is a repeat."""
+    if parts and frag == "".join(parts):
+        return
+    parts.append(frag)
+
+
+@dataclass(slots=True)
+class _ToolCall:
+    id: list[str] = field(default_factory=list)
+    name: list[str] = field(default_factory=list)
+    arguments: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Choice:
+    strings: dict[str, list[str]] = field(default_factory=dict)
+    text: list[str] = field(default_factory=list)
+    tools: dict[int, _ToolCall] = field(default_factory=dict)
+    function: _ToolCall | None = None
+    lp_content: list[Any] | None = None
+    lp_refusal: list[Any] | None = None
+    lp_text: dict[str, list[Any]] | None = None
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    has_stop_reason: bool = False
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Assembler:
+    def __init__(self, chat: bool, expose_ids: bool) -> None:
+        self.chat = chat
+        self.expose_ids = expose_ids
+        self.meta: dict[str, Any] = {}
+        self.choices: dict[int, _Choice] = {}
+        self.prompt_token_ids: list[int] | None = None
+
+    # -- feeding ---------------------------------------------------------------
+    def feed(self, event: dict[str, Any]) -> None:
+        for key, value in event.items():
+            if key not in REBUILT and key not in self.meta and value is not None:
+                self.meta[key] = value
+        ptids = event.get("prompt_token_ids")
+        if ptids is not None and self.prompt_token_ids is None:
+            self.prompt_token_ids = ptids
+        for choice in event["choices"]:
+            index = choice.get("index", 0)
+            if index.__class__ is not int or index < 0:
+                raise _bad("choice index is not a non-negative integer")
+            state = self.choices.get(index)
+            if state is None:
+                state = self.choices[index] = _Choice()
+            if self.chat:
+                self._chat_choice(state, choice)
+            else:
+                self._text_choice(state, choice)
+            self._common(state, choice)
+
+    def _common(self, state: _Choice, choice: dict[str, Any]) -> None:
+        fr = choice.get("finish_reason")
+        if fr is not None:
+            if not isinstance(fr, str):
+                raise _bad("finish_reason is not a string")
+            state.finish_reason = fr
+            if "stop_reason" in choice:
+                state.has_stop_reason = True
+                state.stop_reason = choice["stop_reason"]
+        elif choice.get("stop_reason") is not None:
+            state.has_stop_reason = True
+            state.stop_reason = choice["stop_reason"]
+        ids = choice.get("token_ids")
+        if ids and self.expose_ids:
+            state.token_ids.extend(ids)
+
+    def _chat_choice(self, state: _Choice, choice: dict[str, Any]) -> None:
+        for key, value in choice.items():
+            if key not in CHAT_CHOICE_KEYS and _has_value(value):
+                raise _unsupported(f"choice field '{key}'")
+        delta = choice.get("delta")
+        if delta is None:
+            delta = {}
+        elif not isinstance(delta, dict):
+            raise _bad("delta is not an object")
+        for key, value in delta.items():
+            if value is None:
+                continue
+            if key in STRING_DELTAS:
+                if not isinstance(value, str):
+                    raise _bad(f"delta.{key} is not a string")
+                state.strings.setdefault(key, []).append(value)
+            elif key == "tool_calls":
+                self._tool_calls(state, value)
+            elif key == "function_call":
+                self._function_call(state, value)
+            elif key == "role":
+                if not isinstance(value, str):
+                    raise _bad("delta.role is not a string")
+            elif key not in DELTA_KEYS and _has_value(value):
+                raise _unsupported(f"delta field '{key}'")
+        lp = choice.get("logprobs")
+        if lp is not None:
+            if not isinstance(lp, dict):
+                raise _bad("chat logprobs is not an object")
+            for key in lp:
+                if key not in ("content", "refusal") and _has_value(lp[key]):
+                    raise _unsupported(f"logprobs field '{key}'")
+            for key, attr in (("content", "lp_content"), ("refusal", "lp_refusal")):
+                part = lp.get(key)
+                if part is None:
+                    continue
+                if not isinstance(part, list):
+                    raise _bad(f"logprobs.{key} is not an array")
+                cur = getattr(state, attr)
+                if cur is None:
+                    setattr(state, attr, list(part))
+                else:
+                    cur.extend(part)
+
+    def _tool_calls(self, state: _Choice, calls: Any) -> None:
+        if not isinstance(calls, list):
+            raise _bad("delta.tool_calls is not an array")
+        for call in calls:
+            if not isinstance(call, dict):
+                raise _bad("tool call is not an object")
+            for key, value in call.items():
+                if key not in TOOL_CALL_KEYS and _has_value(value):
+                    raise _unsupported(f"tool call field '{key}'")
+            index = call.get("index")
+            if index.__class__ is not int or index < 0:
+                raise _bad("tool call index is not a non-negative integer")
+            kind = call.get("type")
+            if kind is not None and kind != "function":
+                raise _unsupported(f"tool call type '{kind}'")
+            tc = state.tools.get(index)
+            if tc is None:
+                tc = state.tools[index] = _ToolCall()
+            cid = call.get("id")
+            if cid is not None:
+                if not isinstance(cid, str):
+                    raise _bad("tool call id is not a string")
+                _join_repeat_aware(tc.id, cid)
+            fn = call.get("function")
+            if fn is not None:
+                self._fragments(tc, fn, "tool call function")
+
+    def _function_call(self, state: _Choice, fn: Any) -> None:
+        if state.function is None:
+            state.function = _ToolCall()
+        self._fragments(state.function, fn, "function_call")
+
+    @staticmethod
+    def _fragments(tc: _ToolCall, fn: Any, what: str) -> None:
+        if not isinstance(fn, dict):
+            raise _bad(f"{what} is not an object")
+        for key, value in fn.items():
+            if key not in ("name", "arguments") and _has_value(value):
+                raise _unsupported(f"{what} field '{key}'")
+        name = fn.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise _bad(f"{what} name is not a string")
+            _join_repeat_aware(tc.name, name)
+        args = fn.get("arguments")
+        if args is not None:
+            if not isinstance(args, str):
+                raise _bad(f"{what} arguments is not a string")
+            tc.arguments.append(args)
+
+    def _text_choice(self, state: _Choice, choice: dict[str, Any]) -> None:
+        for key, value in choice.items():
+            if key not in TEXT_CHOICE_KEYS and _has_value(value):
+                raise _unsupported(f"choice field '{key}'")
+        text = choice.get("text")
+        if text is not None:
+            if not isinstance(text, str):
+                raise _bad("choice text is not a string")
+            state.text.append(text)
+        lp = choice.get("logprobs")
+        if lp is None:
+            return
+        if not isinstance(lp, dict):
+            raise _bad("completion logprobs is not an object")
+        if state.lp_text is None:
+            state.lp_text = {k: [] for k in TEXT_LOGPROB_KEYS}
+        for key in TEXT_LOGPROB_KEYS:
+            part = lp.get(key)
+            if part is None:
+                continue
+            if not isinstance(part, list):
+                raise _bad(f"logprobs.{key} is not an array")
+            state.lp_text[key].extend(part)
+
+    # -- result ----------------------------------------------------------------
+    def result(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The assembled response; ``usage`` is the engine's, or one Narwhal computed."""
+        if not self.choices:
+            raise _bad("engine stream ended without any choice")
+        choices = []
+        for index in sorted(self.choices):
+            state = self.choices[index]
+            if state.finish_reason is None:
+                raise _bad(f"engine stream ended without a finish_reason for choice {index}")
+            choices.append(self._chat_result(index, state) if self.chat
+                           else self._text_result(index, state))
+        resp: dict[str, Any] = {}
+        resp["id"] = self.meta.get("id")
+        resp["object"] = "chat.completion" if self.chat else "text_completion"
+        resp.update({k: v for k, v in self.meta.items() if k != "id"})
+        resp["choices"] = choices
+        resp["usage"] = usage
+        if self.expose_ids and self.prompt_token_ids is not None:
+            resp["prompt_token_ids"] = self.prompt_token_ids
+        return resp
+
+    def _tail(self, out: dict[str, Any], state: _Choice) -> dict[str, Any]:
+        out["finish_reason"] = state.finish_reason
+        if state.has_stop_reason:
+            out["stop_reason"] = state.stop_reason
+        if self.expose_ids:
+            out["token_ids"] = state.token_ids
+        return out
+
+    def _chat_result(self, index: int, state: _Choice) -> dict[str, Any]:
+        s = state.strings
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(s["content"])
+                               if "content" in s else None}
+        for key in ("reasoning", "reasoning_content"):
+            if key in s:
+                msg[key] = "".join(s[key])
+        msg["refusal"] = "".join(s["refusal"]) if "refusal" in s else None
+        if state.tools:
+            calls = []
+            for i in sorted(state.tools):
+                tc = state.tools[i]
+                if not tc.id or not tc.name:
+                    raise _bad(f"tool call {i} has no {'id' if not tc.id else 'function name'}")
+                calls.append({"id": "".join(tc.id), "type": "function",
+                              "function": {"name": "".join(tc.name),
+                                           "arguments": "".join(tc.arguments)}})
+            msg["tool_calls"] = calls
+        if state.function is not None:
+            if not state.function.name:
+                raise _bad("function_call has no name")
+            msg["function_call"] = {"name": "".join(state.function.name),
+                                    "arguments": "".join(state.function.arguments)}
+        logprobs = None
+        if state.lp_content is not None or state.lp_refusal is not None:
+            logprobs = {"content": state.lp_content, "refusal": state.lp_refusal}
+        return self._tail({"index": index, "message": msg, "logprobs": logprobs}, state)
+
+    def _text_result(self, index: int, state: _Choice) -> dict[str, Any]:
+        return self._tail({"index": index, "text": "".join(state.text),
+                           "logprobs": state.lp_text}, state)

@@ -1,0 +1,87 @@
+"""The OpenAI error envelope and every refusal Narwhal can answer with.
+
+Each error carries its terminal accounting class, so the place that decides to
+refuse is also the place that decides how the refusal is counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+
+# Terminal classes (DESIGN §2.8). Every offered request ends in exactly one.
+COMPLETED = "completed"
+INVALID = "invalid_requests"
+REJECTED = "rejected"
+REFUSED = "refused"
+EXPIRED = "expired"
+UNAVAILABLE = "unavailable"
+FAILED = "failed"
+CANCELLED = "cancelled"
+TERMINAL_CLASSES = (COMPLETED, INVALID, REJECTED, REFUSED, EXPIRED, UNAVAILABLE, FAILED, CANCELLED)
+
+
+@dataclass(frozen=True, slots=True)
+class HttpError(Exception):
+    status: int
+    message: str
+    type: str
+    terminal: str
+    code: str | None = None
+    param: str | None = None
+    retry_after: int | None = None
+
+    def body(self) -> bytes:
+        return orjson.dumps(
+            {"error": {"message": self.message, "type": self.type, "param": self.param,
+                       "code": self.code}}
+        )
+
+    def headers(self) -> list[tuple[str, str]]:
+        hdrs = [("content-type", "application/json")]
+        if self.retry_after is not None:
+            hdrs.append(("retry-after", str(self.retry_after)))
+        return hdrs
+
+    def sse_event(self) -> bytes:
+        """The same error as a terminal SSE event, for streams whose headers are sent."""
+        return b"data: " + self.body() + b"\n\n"
+
+
+def invalid_request(message: str, param: str | None = None) -> HttpError:
+    return HttpError(400, message, "invalid_request_error", INVALID, param=param)
+
+
+def model_not_found(model: str) -> HttpError:
+    return HttpError(404, f"The model `{model}` does not exist.", "invalid_request_error", INVALID,
+                     code="model_not_found", param="model")
+
+
+def sampling_width(param: str, value: int) -> HttpError:
+    return HttpError(400, f"Invalid sampling width: {param}={value}; Narwhal serves one choice per "
+                     "request", "invalid_request_error", INVALID, param=param)
+
+
+def request_too_large(limit: int) -> HttpError:
+    return HttpError(413, f"Request body exceeds serving.max_request_bytes ({limit} bytes)",
+                     "invalid_request_error", INVALID, code="request_too_large")
+
+
+def backend_unavailable() -> HttpError:
+    return HttpError(503, "No placement-eligible engine is available", "service_unavailable",
+                     UNAVAILABLE, code="backend_unavailable", retry_after=1)
+
+
+def not_serving(reason: str) -> HttpError:
+    return HttpError(503, f"Router is not serving ({reason}); retry", "service_unavailable",
+                     UNAVAILABLE, code=reason.replace("-", "_"), retry_after=1)
+
+
+def engine_failure(message: str) -> HttpError:
+    return HttpError(502, message, "upstream_error", FAILED, code="bad_engine_response")
+
+
+def not_found(path: str) -> HttpError:
+    return HttpError(404, f"No route for {path}", "invalid_request_error", INVALID,
+                     code="not_found")

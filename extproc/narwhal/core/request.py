@@ -1,0 +1,220 @@
+"""Client request validation and the upstream rewrite.
+
+Narwhal validates only the fields it interprets (DESIGN §3); everything else is the
+engine's business and is forwarded exactly as sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from .errors import HttpError, invalid_request, model_not_found, sampling_width
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+COMPLETION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
+TOOL_CHOICE_WORDS = frozenset({"none", "auto", "required"})
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """A validated completion request and the facts the router acts on."""
+
+    chat: bool
+    body: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    prompt_bytes: int
+    max_tokens: int | None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _opt_bool(body: dict[str, Any], key: str, param: str | None = None) -> bool:
+    v = body.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise invalid_request(f"'{param or key}' must be a boolean", param or key)
+    return v
+
+
+def _opt_positive_int(body: dict[str, Any], key: str) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not _is_int(v) or v < 1:
+        raise invalid_request(f"'{key}' must be a positive integer", key)
+    return v
+
+
+def _messages_bytes(messages: Any) -> int:
+    if not isinstance(messages, list) or not messages:
+        raise invalid_request("'messages' must be a non-empty array of message objects", "messages")
+    total = 0
+    for i, m in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid_request(f"'{param}' must be an object", param)
+        if not isinstance(m.get("role"), str):
+            raise invalid_request(f"'{param}.role' must be a string", f"{param}.role")
+        content = m.get("content")
+        if isinstance(content, str):
+            total += len(content.encode())
+        elif isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise invalid_request(f"'{param}.content[{j}]' must be a typed content part",
+                                          f"{param}.content[{j}]")
+                text = part.get("text")
+                if isinstance(text, str):
+                    total += len(text.encode())
+        elif content is not None:
+            raise invalid_request(f"'{param}.content' must be a string, an array or null",
+                                  f"{param}.content")
+    return total
+
+
+def _prompt_bytes(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return len(prompt.encode())
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            if len(prompt) > 1:
+                raise sampling_width("prompt", len(prompt))
+            return len(prompt[0].encode())
+        if all(_is_int(p) and p >= 0 for p in prompt):
+            return 4 * len(prompt)
+        if all(isinstance(p, list) for p in prompt):
+            raise sampling_width("prompt", len(prompt)) if len(prompt) > 1 else invalid_request(
+                "'prompt' token arrays must be a flat array of integers", "prompt")
+    raise invalid_request("'prompt' must be a string or an array of token IDs", "prompt")
+
+
+def _check_tools(body: dict[str, Any], stream: bool) -> None:
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise invalid_request("'tools' must be an array", "tools")
+        for i, tool in enumerate(tools):
+            param = f"tools[{i}]"
+            if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+                raise invalid_request(f"'{param}' must be an object with a type", param)
+            if tool["type"] != "function":
+                if not stream:
+                    raise invalid_request(
+                        f"Tool type '{tool['type']}' is not supported for non-streaming requests",
+                        f"{param}.type")
+                continue
+            fn = tool.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise invalid_request(f"'{param}.function.name' must be a non-empty string",
+                                      f"{param}.function.name")
+    choice = body.get("tool_choice")
+    if choice is None or choice in TOOL_CHOICE_WORDS:
+        return
+    if isinstance(choice, dict) and isinstance(choice.get("type"), str):
+        if choice["type"] == "function":
+            fn = choice.get("function")
+            if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+                return
+            raise invalid_request("'tool_choice.function.name' must be a string",
+                                  "tool_choice.function.name")
+        if not stream:
+            raise invalid_request(
+                f"tool_choice type '{choice['type']}' is not supported for non-streaming requests",
+                "tool_choice")
+        return
+    raise invalid_request("'tool_choice' must be none, auto, required or a function choice",
+                          "tool_choice")
+
+
+def _check_modalities(body: dict[str, Any], stream: bool) -> None:
+    modalities = body.get("modalities")
+    if modalities is not None:
+        if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
+            raise invalid_request("'modalities' must be an array of strings", "modalities")
+        other = [m for m in modalities if m != "text"]
+        if other and not stream:
+            raise invalid_request(
+                f"Output modality '{other[0]}' is not supported for non-streaming requests",
+                "modalities")
+    audio = body.get("audio")
+    if audio is not None:
+        if not isinstance(audio, dict):
+            raise invalid_request("'audio' must be an object", "audio")
+        if not stream:
+            raise invalid_request("Audio output is not supported for non-streaming requests",
+                                  "audio")
+
+
+def parse_request(path: str, raw: bytes, model: str) -> CompletionRequest:
+    """Validate a completion body; raise :class:`HttpError` with the seed's status."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise invalid_request(f"Request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise invalid_request("Request body must be a JSON object")
+    chat = path == CHAT_PATH
+    requested = body.get("model")
+    if requested is not None:
+        if not isinstance(requested, str):
+            raise invalid_request("'model' must be a string", "model")
+        if requested != model:
+            raise model_not_found(requested)
+    if chat:
+        if "prompt" in body and "messages" not in body:
+            raise invalid_request("Chat completions take 'messages', not 'prompt'", "messages")
+        prompt_bytes = _messages_bytes(body.get("messages"))
+    else:
+        if "prompt" not in body:
+            raise invalid_request("'prompt' is required", "prompt")
+        prompt_bytes = _prompt_bytes(body["prompt"])
+    stream = _opt_bool(body, "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise invalid_request("'stream_options' must be an object", "stream_options")
+        include_usage = _opt_bool(options, "include_usage", "stream_options.include_usage")
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            raise invalid_request(f"'{key}' must be a positive integer", key)
+        if value > 1:
+            raise sampling_width(key, value)
+    max_tokens = _opt_positive_int(body, "max_tokens")
+    max_completion = _opt_positive_int(body, "max_completion_tokens")
+    return_ids = _opt_bool(body, "return_token_ids")
+    if chat:
+        _check_tools(body, stream)
+        _check_modalities(body, stream)
+    return CompletionRequest(
+        chat=chat, body=body, stream=stream, include_usage=include_usage,
+        return_token_ids=return_ids, prompt_bytes=prompt_bytes,
+        max_tokens=max_completion if max_completion is not None else max_tokens,
+    )
+
+
+def upstream_body(req: CompletionRequest, token_ids: bool) -> bytes:
+    """The engine-bound body: always a usage-reporting stream, IDs where the dialect has them."""
+    body = dict(req.body)
+    body["stream"] = True
+    options = body.get("stream_options")
+    body["stream_options"] = (dict(options) if isinstance(options, dict) else {}) | {
+        "include_usage": True}
+    if token_ids:
+        body["return_token_ids"] = True
+        body["stream_interval"] = 1
+    return orjson.dumps(body)
+
+

@@ -1,0 +1,109 @@
+"""The gRPC ext_proc servicer: a thin adapter between Envoy's messages and Exchange.
+
+Each ext_proc stream is one HTTP exchange. The adapter converts protobuf messages to
+the core's calls and the core's actions to protobuf replies; it makes no decisions.
+"""
+
+from __future__ import annotations
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from ..core.exchange import LB_NAMESPACE, Action, Body, Exchange, Headers, Immediate, Trailers
+from ..core.router import Router
+
+OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+def _headers(msg: pb.HttpHeaders) -> dict[str, str]:
+    return {h.key: (h.raw_value.decode("latin-1") if h.raw_value else h.value)
+            for h in msg.headers.headers}
+
+
+def _mutation(set_: list[tuple[str, str]], remove: list[str]) -> pb.HeaderMutation:
+    return pb.HeaderMutation(
+        set_headers=[base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=k, raw_value=v.encode("latin-1")),
+            append_action=OVERWRITE) for k, v in set_],
+        remove_headers=remove)
+
+
+def _lb_metadata(destination: str) -> struct_pb2.Struct:
+    md = struct_pb2.Struct()
+    md.get_or_create_struct(LB_NAMESPACE)["x-gateway-destination-endpoint"] = destination
+    return md
+
+
+def to_proto(action: Action) -> pb.ProcessingResponse:
+    if action.__class__ is Body:
+        body = pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(
+            streamed_response=pb.StreamedBodyResponse(body=action.data,
+                                                      end_of_stream=action.end_of_stream))))
+        return (pb.ProcessingResponse(response_body=body) if action.response
+                else pb.ProcessingResponse(request_body=body))
+    if action.__class__ is Headers:
+        common = pb.CommonResponse()
+        if action.set or action.remove:
+            common.header_mutation.CopyFrom(_mutation(action.set, action.remove))
+        hr = pb.HeadersResponse(response=common)
+        if action.response:
+            return pb.ProcessingResponse(response_headers=hr)
+        resp = pb.ProcessingResponse(request_headers=hr)
+        if action.destination is not None:
+            resp.dynamic_metadata.CopyFrom(_lb_metadata(action.destination))
+        return resp
+    if action.__class__ is Trailers:
+        tr = pb.TrailersResponse()
+        return (pb.ProcessingResponse(response_trailers=tr) if action.response
+                else pb.ProcessingResponse(request_trailers=tr))
+    assert isinstance(action, Immediate)
+    err = action.error
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=err.status),
+        headers=_mutation(err.headers(), []),
+        body=err.body(),
+        details=f"narwhal_{err.terminal}"))
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Process(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        ex = Exchange(self.router)
+        read, write = context.read, context.write
+        try:
+            while True:
+                msg = await read()
+                if msg is grpc.aio.EOF:
+                    return
+                kind = msg.WhichOneof("request")
+                if kind == "response_body":
+                    b = msg.response_body
+                    actions = ex.response_body(b.body, b.end_of_stream)
+                elif kind == "request_body":
+                    b = msg.request_body
+                    actions = ex.request_body(b.body, b.end_of_stream)
+                elif kind == "request_headers":
+                    h = msg.request_headers
+                    actions = ex.request_headers(_headers(h), h.end_of_stream)
+                elif kind == "response_headers":
+                    h = msg.response_headers
+                    actions = ex.response_headers(_headers(h), h.end_of_stream)
+                elif kind == "request_trailers":
+                    actions = ex.request_trailers()
+                elif kind == "response_trailers":
+                    actions = ex.response_trailers()
+                else:
+                    continue
+                for action in actions:
+                    await write(to_proto(action))
+                    if action.__class__ is Immediate:
+                        return
+        finally:
+            ex.close()

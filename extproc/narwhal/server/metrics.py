@@ -1,0 +1,45 @@
+"""Prometheus exposition of the core's counters, read at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..core.router import Router
+
+
+class RouterCollector(Collector):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[Metric]:
+        acct = self.router.accounting
+        yield CounterMetricFamily("narwhal_requests_offered",
+                                  "Arrivals on completion routes", value=acct.offered)
+        yield CounterMetricFamily("narwhal_requests_unsized_offered",
+                                  "Offered requests that ended before workload sizing",
+                                  value=acct.unsized_offered)
+        term = CounterMetricFamily("narwhal_requests_terminal",
+                                   "Requests by terminal class", labels=["class"])
+        for cls, n in acct.terminal.items():
+            term.add_metric([cls], n)
+        yield term
+        yield GaugeMetricFamily("narwhal_requests_in_flight", "Offered requests not yet terminal",
+                                value=acct.in_flight)
+        inflight = GaugeMetricFamily("narwhal_engine_in_flight", "Requests placed on an engine",
+                                     labels=["engine"])
+        healthy = GaugeMetricFamily("narwhal_engine_healthy", "1 when the engine's health check "
+                                    "passes", labels=["engine"])
+        tokens = CounterMetricFamily("narwhal_engine_output_tokens",
+                                     "Identified output tokens per engine", labels=["engine"])
+        failures = CounterMetricFamily("narwhal_engine_measurement_failures",
+                                       "Decode attempts failed on token identity",
+                                       labels=["engine"])
+        for eng in self.router.pool.engines:
+            inflight.add_metric([eng.name], eng.in_flight)
+            healthy.add_metric([eng.name], 1 if eng.healthy else 0)
+            tokens.add_metric([eng.name], eng.output_tokens)
+            failures.add_metric([eng.name], eng.measurement_failures)
+        yield from (inflight, healthy, tokens, failures)
