@@ -318,6 +318,15 @@ class Exchange:
             self.phase = Phase.DONE
             self.router.pool.release(self.engine)
 
+    def internal_error(self, exc: BaseException) -> list[Action]:
+        """A bug in Narwhal: answer 500 if the client can still be told, count it failed."""
+        err = errors.HttpError(500, f"internal router error: {type(exc).__name__}",
+                               "internal_error", errors.FAILED)
+        if self.phase is Phase.RESPONSE_BODY and self.relay is not None:
+            self._finish(errors.FAILED)
+            return [Body(True, err.sse_event(), True)]
+        return self._refuse(err)
+
     def close(self) -> None:
         """The ext_proc stream ended: whatever is unfinished was cancelled."""
         if self.completion:

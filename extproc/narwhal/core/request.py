@@ -117,7 +117,7 @@ def _check_tools(body: dict[str, Any], stream: bool) -> None:
                 raise invalid_request(f"'{param}.function.name' must be a non-empty string",
                                       f"{param}.function.name")
     choice = body.get("tool_choice")
-    if choice is None or choice in TOOL_CHOICE_WORDS:
+    if choice is None or (isinstance(choice, str) and choice in TOOL_CHOICE_WORDS):
         return
     if isinstance(choice, dict) and isinstance(choice.get("type"), str):
         if choice["type"] == "function":

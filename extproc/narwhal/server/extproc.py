@@ -6,6 +6,8 @@ the core's calls and the core's actions to protobuf replies; it makes no decisio
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -17,6 +19,7 @@ from ..core.exchange import LB_NAMESPACE, Action, Body, Exchange, Headers, Immed
 from ..core.router import Router
 
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+log = logging.getLogger("narwhal.extproc")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 
@@ -82,28 +85,35 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 msg = await read()
                 if msg is grpc.aio.EOF:
                     return
-                kind = msg.WhichOneof("request")
-                if kind == "response_body":
-                    b = msg.response_body
-                    actions = ex.response_body(b.body, b.end_of_stream)
-                elif kind == "request_body":
-                    b = msg.request_body
-                    actions = ex.request_body(b.body, b.end_of_stream)
-                elif kind == "request_headers":
-                    h = msg.request_headers
-                    actions = ex.request_headers(_headers(h), h.end_of_stream)
-                elif kind == "response_headers":
-                    h = msg.response_headers
-                    actions = ex.response_headers(_headers(h), h.end_of_stream)
-                elif kind == "request_trailers":
-                    actions = ex.request_trailers()
-                elif kind == "response_trailers":
-                    actions = ex.response_trailers()
-                else:
-                    continue
+                try:
+                    actions = _dispatch(ex, msg)
+                except Exception as exc:
+                    log.exception("exchange failed on %s", msg.WhichOneof("request"))
+                    actions = ex.internal_error(exc)
                 for action in actions:
                     await write(to_proto(action))
                     if action.__class__ is Immediate:
                         return
         finally:
             ex.close()
+
+
+def _dispatch(ex: Exchange, msg: pb.ProcessingRequest) -> list[Action]:
+    kind = msg.WhichOneof("request")
+    if kind == "response_body":
+        b = msg.response_body
+        return ex.response_body(b.body, b.end_of_stream)
+    if kind == "request_body":
+        b = msg.request_body
+        return ex.request_body(b.body, b.end_of_stream)
+    if kind == "request_headers":
+        h = msg.request_headers
+        return ex.request_headers(_headers(h), h.end_of_stream)
+    if kind == "response_headers":
+        h = msg.response_headers
+        return ex.response_headers(_headers(h), h.end_of_stream)
+    if kind == "request_trailers":
+        return ex.request_trailers()
+    if kind == "response_trailers":
+        return ex.response_trailers()
+    return []

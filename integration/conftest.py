@@ -1,0 +1,58 @@
+"""Real stacks for the integration suite: Envoy + narwhal serve + narwhal sim on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from narwhal.launch import SimSpec, Stack
+
+MODEL = "narwhal-sim"
+
+
+def _stack(sims: list[SimSpec], config: dict | None = None) -> Iterator[Stack]:
+    stack = Stack(sims=sims, config=config or {}, model=MODEL)
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[Stack]:
+    """One vLLM-dialect engine, so every request lands on it."""
+    yield from _stack([SimSpec("sim-a")], {"serving": {"max_request_bytes": 65536}})
+
+
+@pytest.fixture(scope="session")
+def reasoning_stack() -> Iterator[Stack]:
+    yield from _stack([SimSpec("sim-r", args=["--reasoning", "both"])])
+
+
+@pytest.fixture(scope="session")
+def openai_stack() -> Iterator[Stack]:
+    yield from _stack([SimSpec("sim-o", dialect="openai")])
+
+
+def client_for(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0,
+                         timeout=30)
+
+
+@pytest.fixture
+def client(stack: Stack) -> openai.OpenAI:
+    return client_for(stack)
+
+
+@pytest.fixture
+def http(stack: Stack) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=stack.url, timeout=30) as c:
+        yield c
+
+
+def status(stack: Stack) -> dict:
+    return httpx.get(f"{stack.admin_url}/status", timeout=5).json()
