@@ -262,8 +262,8 @@ class Assembler:
 
     def _chat_result(self, index: int, state: _Choice) -> dict[str, Any]:
         s = state.strings
-        msg: dict[str, Any] = {"role": "assistant", "content": "".join(s["content"])
-                               if "content" in s else None}
+        # Engines open every stream with ``content: ""``; nothing generated is null.
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(s.get("content", ())) or None}
         for key in ("reasoning", "reasoning_content"):
             if key in s:
                 msg[key] = "".join(s[key])
