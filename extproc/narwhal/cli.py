@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ok: model {cfg.serving.model}, {len(cfg.engines)} engine(s)")
         elif args.command == "sim":
             from .sim.generate import SimOptions
-            from .sim.server import Timing, run as run_sim
+            from .sim.server import Timing
+            from .sim.server import run as run_sim
 
             run_sim(args.host, args.port,
                     SimOptions(model=args.model, dialect=args.dialect, reasoning=args.reasoning),

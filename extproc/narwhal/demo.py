@@ -14,8 +14,9 @@ def run_demo(config_path: str | None, port: int, engines: int) -> int:
     model = "narwhal-sim"
     if config_path is not None:
         cfg = load(config_path)  # validate first: clear errors before any process starts
-        import yaml
         from pathlib import Path
+
+        import yaml
 
         config = yaml.safe_load(Path(config_path).read_text()) or {}
         model = cfg.serving.model

@@ -7,7 +7,6 @@ same way, from the Envoy configuration that ships in ``envoy/``.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import signal
 import socket
@@ -156,19 +155,29 @@ class Stack:
                                "dialect": s.dialect} for s in self.sims]
         return cfg
 
+    def start_sims(self, timeout: float = 30.0) -> Stack:
+        """Only the simulators (for tests and benchmarks that talk to engines directly)."""
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="narwhal-"))
+        try:
+            for sim in self.sims:
+                sim.port = sim.port or free_port()
+                p = self._spawn(sim.name, [sys.executable, "-m", "narwhal", "sim", "--port",
+                                           str(sim.port), "--model", self.model, "--dialect",
+                                           sim.dialect, *sim.args])
+                wait_http(f"http://127.0.0.1:{sim.port}/health", timeout, p.popen)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
     def start(self, timeout: float = 30.0) -> Stack:
-        self.workdir = Path(tempfile.mkdtemp(prefix="narwhal-"))
         for attr in ("port", "admin_port", "extproc_port", "envoy_admin_port"):
             if not getattr(self, attr):
                 setattr(self, attr, free_port())
         py = sys.executable
+        self.start_sims(timeout)
         try:
-            for sim in self.sims:
-                sim.port = sim.port or free_port()
-                p = self._spawn(sim.name, [py, "-m", "narwhal", "sim", "--port", str(sim.port),
-                                           "--model", self.model, "--dialect", sim.dialect,
-                                           *sim.args])
-                wait_http(f"http://127.0.0.1:{sim.port}/health", timeout, p.popen)
             cfg_path = self.workdir / "narwhal.yaml"
             cfg_path.write_text(yaml.safe_dump(self.config_dict()))
             narwhal = self._spawn("narwhal", [py, "-m", "narwhal", "serve", "--config",

@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from .errors import HttpError, invalid_request, model_not_found, sampling_width
+from .errors import invalid_request, model_not_found, sampling_width
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"

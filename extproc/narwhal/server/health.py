@@ -20,7 +20,7 @@ async def check_once(router: Router, session: aiohttp.ClientSession) -> None:
             async with session.get(engine.config.url.rstrip("/") + "/health",
                                    timeout=timeout) as resp:
                 ok = resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             ok = False
         if ok != engine.healthy or not engine.checked:
             log.info("engine %s is %s", engine.name, "healthy" if ok else "unhealthy")

@@ -17,12 +17,13 @@ from typing import Any
 
 import orjson
 
-VOCAB = (
+VOCAB = tuple(
     "the quick brown fox jumps over lazy dog narwhal tusk ocean arctic ice whale pod "
     "swim deep cold water light wave router engine token prefill decode budget queue "
     "admit place stream chunk event model pool latency fast slow calm blue green red "
     "north south east west sun moon star cloud rain snow wind river stone tree leaf"
-).split()
+    .split()
+)
 TOKEN_ID_BASE = 1000
 FAULTS = frozenset(
     {

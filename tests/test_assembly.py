@@ -1,0 +1,168 @@
+from __future__ import annotations
+
+import pytest
+
+from narwhal.core.assembly import Assembler
+from narwhal.core.meter import EngineOutputError
+
+USAGE = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+
+
+def ev(*choices, **top):
+    return {"id": "c1", "created": 5, "model": "m", "choices": list(choices)} | top
+
+
+def ch(delta=None, index=0, **kw):
+    return {"index": index, "delta": delta or {}} | kw
+
+
+def assemble(events, chat=True, expose=False):
+    a = Assembler(chat, expose)
+    for e in events:
+        a.feed(e)
+    return a.result(USAGE)
+
+
+def test_strings_concatenate_under_their_keys():
+    r = assemble([ev(ch({"role": "assistant", "content": ""})),
+                  ev(ch({"content": "a", "reasoning": "r1", "reasoning_content": "x"})),
+                  ev(ch({"content": "b", "reasoning": "r2", "refusal": "no"})),
+                  ev(ch({}, finish_reason="stop"))])
+    msg = r["choices"][0]["message"]
+    assert (msg["content"], msg["reasoning"], msg["reasoning_content"], msg["refusal"]) == (
+        "ab", "r1r2", "x", "no")
+    assert r["object"] == "chat.completion" and r["id"] == "c1" and r["usage"] == USAGE
+
+
+def test_tool_calls_grouped_by_index_in_index_order():
+    r = assemble([
+        ev(ch({"tool_calls": [{"index": 1, "id": "B", "type": "function",
+                               "function": {"name": "second", "arguments": "{"}}]})),
+        ev(ch({"tool_calls": [{"index": 0, "id": "A", "function": {"name": "fir",
+                                                                   "arguments": "["}}]})),
+        ev(ch({"tool_calls": [{"index": 0, "function": {"name": "st", "arguments": "]"}},
+                              {"index": 1, "function": {"arguments": "}"}}]})),
+        ev(ch({}, finish_reason="tool_calls"))])
+    calls = r["choices"][0]["message"]["tool_calls"]
+    assert calls == [
+        {"id": "A", "type": "function", "function": {"name": "first", "arguments": "[]"}},
+        {"id": "B", "type": "function", "function": {"name": "second", "arguments": "{}"}}]
+
+
+def test_repeated_tool_id_and_name_are_not_doubled():
+    r = assemble([ev(ch({"tool_calls": [{"index": 0, "id": "A", "function": {"name": "f",
+                                                                             "arguments": "1"}}]})),
+                  ev(ch({"tool_calls": [{"index": 0, "id": "A", "function": {"name": "f",
+                                                                             "arguments": "2"}}]})),
+                  ev(ch({}, finish_reason="tool_calls"))])
+    assert r["choices"][0]["message"]["tool_calls"][0] == {
+        "id": "A", "type": "function", "function": {"name": "f", "arguments": "12"}}
+
+
+@pytest.mark.parametrize("missing", ["id", "name"])
+def test_tool_call_needs_id_and_name(missing):
+    call = {"index": 0, "id": "A", "function": {"name": "f", "arguments": "{}"}}
+    if missing == "id":
+        del call["id"]
+    else:
+        del call["function"]["name"]
+    with pytest.raises(EngineOutputError):
+        assemble([ev(ch({"tool_calls": [call]})), ev(ch({}, finish_reason="tool_calls"))])
+
+
+def test_legacy_function_call():
+    r = assemble([ev(ch({"function_call": {"name": "f", "arguments": "{"}})),
+                  ev(ch({"function_call": {"arguments": "}"}}, finish_reason="function_call"))])
+    assert r["choices"][0]["message"]["function_call"] == {"name": "f", "arguments": "{}"}
+
+
+def test_chat_logprobs_concatenate():
+    r = assemble([ev(ch({"content": "a"}, logprobs={"content": [{"token": "a"}], "refusal": None})),
+                  ev(ch({"refusal": "n"}, logprobs={"refusal": [{"token": "n"}]})),
+                  ev(ch({"content": "b"}, logprobs={"content": [{"token": "b"}]},
+                        finish_reason="stop"))])
+    assert r["choices"][0]["logprobs"] == {"content": [{"token": "a"}, {"token": "b"}],
+                                           "refusal": [{"token": "n"}]}
+
+
+def test_text_logprobs_concatenate():
+    lp = lambda t, o: {"tokens": [t], "token_logprobs": [-1.0], "text_offset": [o],  # noqa: E731
+                       "top_logprobs": [{t: -1.0}]}
+    r = assemble([ev({"index": 0, "text": "a", "logprobs": lp("a", 0)}),
+                  ev({"index": 0, "text": "b", "logprobs": lp("b", 1), "finish_reason": "length",
+                      "stop_reason": None})], chat=False)
+    c = r["choices"][0]
+    assert c["text"] == "ab" and c["logprobs"]["tokens"] == ["a", "b"]
+    assert c["logprobs"]["text_offset"] == [0, 1] and c["stop_reason"] is None
+    assert r["object"] == "text_completion"
+
+
+def test_finish_and_stop_reason_survive_usage_only_frames():
+    r = assemble([ev(ch({"content": "a"}, finish_reason="stop", stop_reason="</s>")),
+                  ev(usage={"prompt_tokens": 1})])
+    c = r["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"]) == ("stop", "</s>")
+
+
+def test_stop_reason_absent_when_engine_never_sent_it():
+    r = assemble([ev(ch({"content": "a"}, finish_reason="stop"))])
+    assert "stop_reason" not in r["choices"][0]
+
+
+def test_multiple_choices_assemble_independently():
+    r = assemble([ev(ch({"content": "x"}, index=1), ch({"content": "y"}, index=0)),
+                  ev(ch({}, index=0, finish_reason="stop"), ch({}, index=1, finish_reason="length"))])
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in r["choices"]] == [
+        (0, "y", "stop"), (1, "x", "length")]
+
+
+def test_token_ids_exposed_only_on_request():
+    events = [ev(ch({"content": "a"}, token_ids=[1, 2]), prompt_token_ids=[9]),
+              ev(ch({}, finish_reason="stop", token_ids=[]))]
+    shown = assemble(events, expose=True)
+    assert shown["choices"][0]["token_ids"] == [1, 2] and shown["prompt_token_ids"] == [9]
+    hidden = assemble(events)
+    assert "token_ids" not in hidden["choices"][0] and "prompt_token_ids" not in hidden
+
+
+def test_metadata_kept():
+    r = assemble([ev(ch({"content": "a"}), system_fingerprint="fp", service_tier=None),
+                  ev(ch({}, finish_reason="stop"))])
+    assert r["system_fingerprint"] == "fp" and r["model"] == "m" and r["created"] == 5
+
+
+@pytest.mark.parametrize("event", [
+    ev(ch({"audio": {"id": "a"}})),
+    ev(ch({"annotations": [{"type": "url_citation"}]})),
+    ev(ch({"tool_calls": [{"index": 0, "type": "custom", "custom": {"input": "x"}}]})),
+    ev(ch({"content": "a"}, new_field=1)),
+])
+def test_unsupported_fields_with_a_value(event):
+    with pytest.raises(EngineOutputError, match="unsupported"):
+        assemble([event])
+
+
+def test_unsupported_fields_without_a_value_are_fine():
+    r = assemble([ev(ch({"content": "a", "audio": None, "annotations": []})),
+                  ev(ch({}, finish_reason="stop"))])
+    assert r["choices"][0]["message"]["content"] == "a"
+
+
+@pytest.mark.parametrize("event", [
+    ev(ch({"content": 5})),
+    ev(ch({"tool_calls": {"index": 0}})),
+    ev(ch({"tool_calls": [{"id": "x"}]})),
+    ev(ch({"tool_calls": [{"index": 0, "function": {"arguments": 1}}]})),
+    ev(ch({"function_call": "f"})),
+    ev(ch({"content": "a"}, logprobs={"content": "x"})),
+    ev(ch({"content": "a"}, index=-1)),
+    ev(ch({}, finish_reason=3)),
+])
+def test_malformed_supported_fields(event):
+    with pytest.raises(EngineOutputError, match="malformed"):
+        assemble([event, ev(ch({}, finish_reason="stop"))])
+
+
+def test_stream_without_finish_reason_is_malformed():
+    with pytest.raises(EngineOutputError, match="finish_reason"):
+        assemble([ev(ch({"content": "a"}))])

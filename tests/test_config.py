@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from narwhal.config import Config, ConfigError, load, parse
+
+DESIGN_EXAMPLE = """
+serving:   {model: narwhal-sim, max_request_bytes: 1048576}
+admission: {mode: predictive, ttft_target_ms: 2000, retention_limit: 1024,
+            queue_limit: 256, max_wait_ms: 10000, request_timeout_ms: 600000}
+scheduler: {max_prefill_per_engine: 4, max_decode_per_engine: 64}
+engines:
+  - {name: sim-a, url: "http://127.0.0.1:8001", dialect: vllm}
+  - {name: sim-b, url: "http://127.0.0.1:8002", dialect: openai}
+router:    {role: active}
+telemetry: {admin_port: 9090}
+"""
+
+
+def test_design_example_loads(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(DESIGN_EXAMPLE)
+    cfg = load(path)
+    assert cfg.serving.max_request_bytes == 1048576
+    assert [e.endpoint for e in cfg.engines] == ["127.0.0.1:8001", "127.0.0.1:8002"]
+    assert cfg.engines[1].dialect == "openai" and cfg.telemetry.admin_port == 9090
+
+
+def test_defaults():
+    assert parse({}) == Config()
+    assert parse(None).admission.mode == "predictive"
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"serving": {"max_request_bytes": "big"}}, "serving.max_request_bytes: expected an integer"),
+    ({"serving": {"max_request_bytes": 0}}, "must be positive"),
+    ({"serving": {"modle": "x"}}, "serving.modle: unknown key"),
+    ({"servng": {}}, "servng: unknown section"),
+    ({"admission": {"mode": "eager"}}, "admission.mode: must be one of predictive, open"),
+    ({"router": {"role": "leader"}}, "router.role"),
+    ({"engines": [{"name": "a"}]}, "engines[0].url: required"),
+    ({"engines": [{"name": "a", "url": "ftp://x"}]}, "engines[0].url: expected http"),
+    ({"engines": [{"name": "a", "url": "http://h:1", "dialect": "tgi"}]}, "engines[0].dialect"),
+    ({"engines": [{"name": "a", "url": "http://h:1"}, {"name": "a", "url": "http://h:2"}]},
+     "duplicate engine name"),
+    ({"engines": {"name": "a"}}, "engines: expected a list"),
+    ({"telemetry": {"admin_port": 70000}}, "not a port"),
+    ({"admission": {"queue_limit": True}}, "expected an integer"),
+    ([1], "top level"),
+])
+def test_errors_name_the_key(data, message):
+    with pytest.raises(ConfigError) as info:
+        parse(data)
+    assert message in str(info.value)
+
+
+def test_unreadable_and_invalid_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("serving: [")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load(bad)
+
+
+def test_example_file_shipped_is_valid():
+    from narwhal.launch import REPO_ROOT
+
+    cfg = load(REPO_ROOT / "examples" / "narwhal.yaml")
+    assert yaml.safe_load((REPO_ROOT / "examples" / "narwhal.yaml").read_text())
+    assert len(cfg.engines) == 2

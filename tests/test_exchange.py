@@ -1,0 +1,156 @@
+"""The per-exchange state machine, driven the way the gRPC adapter drives it."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from narwhal.config import parse
+from narwhal.core.exchange import DESTINATION_HEADER, Body, Exchange, Headers, Immediate
+from narwhal.core.router import Router
+from narwhal.sim.generate import SimOptions, make_plan, stream_events
+
+BODY = orjson.dumps({"model": "narwhal-sim", "messages": [{"role": "user", "content": "hi"}],
+                     "max_tokens": 4})
+HDRS = {":path": "/v1/chat/completions", ":method": "POST"}
+
+
+@pytest.fixture
+def router() -> Router:
+    r = Router(parse({"serving": {"max_request_bytes": 1000},
+                      "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]}))
+    for e in r.pool.engines:
+        e.healthy = e.checked = True
+    return r
+
+
+def engine_stream(body: bytes, fault: str | None = None) -> bytes:
+    up = orjson.loads(body)
+    plan = make_plan(up, SimOptions(), fault, None)
+    return b"".join(data for _, data in stream_events(plan))
+
+
+def admit(ex: Exchange, body: bytes = BODY) -> bytes:
+    assert ex.request_headers(HDRS, False) == []  # held until the body is sized
+    h, b = ex.request_body(body, True)
+    assert isinstance(h, Headers) and isinstance(b, Body) and b.end_of_stream
+    assert (DESTINATION_HEADER, "127.0.0.1:9") in h.set and h.destination == "127.0.0.1:9"
+    assert ("content-length", str(len(b.data))) in h.set
+    return b.data
+
+
+def test_non_streaming_round_trip_counts_completed(router):
+    ex = Exchange(router)
+    up = admit(ex)
+    assert orjson.loads(up)["stream"] is True
+    assert ex.response_headers({":status": "200"}, False) == []
+    sse = engine_stream(up)
+    actions = []
+    for i in range(0, len(sse), 7):  # arbitrary chunking
+        actions += ex.response_body(sse[i:i + 7], False)
+    actions += ex.response_body(b"", True)
+    h, b = actions
+    assert ("content-type", "application/json") in h.set
+    resp = orjson.loads(b.data)
+    assert resp["usage"]["completion_tokens"] == 4
+    assert ("content-length", str(len(b.data))) in h.set
+    ex.close()
+    assert router.accounting.terminal["completed"] == 1 and router.accounting.in_flight == 0
+    assert router.pool.engines[0].in_flight == 0 and router.pool.engines[0].output_tokens == 4
+
+
+def test_streaming_round_trip_forwards_events(router):
+    ex = Exchange(router)
+    up = admit(ex, orjson.dumps(orjson.loads(BODY) | {"stream": True}))
+    (h,) = ex.response_headers({":status": "200"}, False)
+    assert "content-length" in h.remove
+    out = b""
+    for part in engine_stream(up).split(b"\n\n"):
+        for a in ex.response_body(part + b"\n\n", False):
+            out += a.data
+    out += b"".join(a.data for a in ex.response_body(b"", True))
+    assert out.endswith(b"data: [DONE]\n\n") and b"token_ids" not in out
+    assert b"usage" not in out  # the client did not ask for it
+
+
+def test_redelivered_final_chunk_is_ignored(router):
+    ex = Exchange(router)
+    admit(ex)
+    assert ex.request_body(BODY, True) == []
+
+
+def test_413_mid_body_without_content_length(router):
+    ex = Exchange(router)
+    ex.request_headers(HDRS, False)
+    assert ex.request_body(b"x" * 600, False) == []
+    (imm,) = ex.request_body(b"x" * 600, False)
+    assert isinstance(imm, Immediate) and imm.error.status == 413
+    assert router.accounting.terminal["invalid_requests"] == 1
+    assert router.accounting.unsized_offered == 1
+
+
+def test_413_from_content_length(router):
+    (imm,) = Exchange(router).request_headers(HDRS | {"content-length": "1001"}, False)
+    assert imm.error.code == "request_too_large"
+
+
+def test_client_gone_before_body_end_is_unsized_and_cancelled(router):
+    ex = Exchange(router)
+    ex.request_headers(HDRS, False)
+    ex.request_body(b"{", False)
+    ex.close()
+    acct = router.accounting
+    assert acct.terminal["cancelled"] == 1 and acct.unsized_offered == 1 and acct.in_flight == 0
+
+
+def test_no_healthy_engine_is_503(router):
+    router.pool.engines[0].healthy = False
+    ex = Exchange(router)
+    ex.request_headers(HDRS, False)
+    (imm,) = ex.request_body(BODY, True)
+    assert imm.error.status == 503 and imm.error.code == "backend_unavailable"
+    assert imm.error.retry_after == 1
+    assert router.accounting.terminal["unavailable"] == 1
+
+
+def test_standby_router_refuses(router):
+    router.config = parse({"router": {"role": "standby"}})
+    (imm,) = Exchange(router).request_headers(HDRS, False)
+    assert imm.error.status == 503 and ("retry-after", "1") in imm.error.headers()
+
+
+def test_token_id_fault_non_streaming_is_502_and_marks_engine(router):
+    ex = Exchange(router)
+    up = admit(ex)
+    ex.response_headers({":status": "200"}, False)
+    (imm,) = ex.response_body(engine_stream(up, "bool-token-id"), False)
+    assert imm.error.status == 502 and router.pool.engines[0].measurement_failures == 1
+    assert ex.response_body(b"data: more\n\n", True) == []
+    assert router.accounting.terminal["failed"] == 1
+
+
+def test_engine_error_status_is_passed_through_when_it_is_an_envelope(router):
+    ex = Exchange(router)
+    admit(ex)
+    assert ex.response_headers({":status": "400"}, False) == []
+    err = b'{"error": {"message": "too long", "type": "BadRequestError"}}'
+    h, b = ex.response_body(err, True)
+    assert b.data == err and router.accounting.terminal["invalid_requests"] == 1
+
+
+def test_engine_error_status_without_envelope_is_502(router):
+    ex = Exchange(router)
+    admit(ex)
+    ex.response_headers({":status": "503"}, False)
+    (imm,) = ex.response_body(b"upstream connect error", True)
+    assert imm.error.status == 502
+
+
+def test_passthrough_route_echoes_bodies(router):
+    ex = Exchange(router)
+    (h,) = ex.request_headers({":path": "/v1/models", ":method": "GET"}, True)
+    assert h.destination == "127.0.0.1:9"
+    assert ex.response_headers({":status": "200"}, False) == [Headers(True)]
+    (b,) = ex.response_body(b"{}", True)
+    assert b.data == b"{}" and router.pool.engines[0].in_flight == 0
+    assert router.accounting.offered == 0

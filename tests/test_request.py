@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from narwhal.core.errors import HttpError
+from narwhal.core.request import parse_request, upstream_body
+
+CHAT = "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "hé"}]
+
+
+def parse(body, path=CHAT):
+    return parse_request(path, orjson.dumps(body), "m")
+
+
+def err(body, path=CHAT) -> HttpError:
+    with pytest.raises(HttpError) as info:
+        parse(body, path)
+    return info.value
+
+
+def test_valid_chat():
+    req = parse({"model": "m", "messages": MSGS, "stream": True,
+                 "stream_options": {"include_usage": True}, "max_tokens": 5})
+    assert req.chat and req.stream and req.include_usage and req.max_tokens == 5
+    assert req.prompt_bytes == 3
+
+
+def test_missing_model_means_the_configured_one():
+    assert parse({"messages": MSGS}).chat
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"model": "other", "messages": MSGS}, 404, "model"),
+    ({"model": "m", "messages": MSGS, "n": 2}, 400, "n"),
+    ({"model": "m", "messages": MSGS, "best_of": 2}, 400, "best_of"),
+    ({"model": "m", "messages": MSGS, "n": True}, 400, "n"),
+    ({"model": "m", "messages": MSGS, "stream": 1}, 400, "stream"),
+    ({"model": "m", "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ({"model": "m", "messages": MSGS, "tools": [{"type": "function", "function": {}}]}, 400,
+     "tools[0].function.name"),
+    ({"model": "m", "messages": MSGS, "modalities": ["audio"]}, 400, "modalities"),
+    ({"model": "m", "messages": MSGS, "stream_options": []}, 400, "stream_options"),
+])
+def test_errors(body, status, param):
+    e = err(body)
+    assert (e.status, e.param) == (status, param)
+
+
+def test_sampling_width_message():
+    assert "Invalid sampling width" in err({"model": "m", "messages": MSGS, "n": 3}).message
+
+
+def test_model_not_found_code():
+    assert err({"model": "x", "messages": MSGS}).code == "model_not_found"
+
+
+def test_invalid_json():
+    with pytest.raises(HttpError) as info:
+        parse_request(CHAT, b"{", "m")
+    assert info.value.status == 400 and info.value.type == "invalid_request_error"
+
+
+def test_streaming_may_ask_for_audio():
+    assert parse({"model": "m", "messages": MSGS, "stream": True, "modalities": ["audio"]}).stream
+
+
+def test_completions_prompt_forms():
+    assert parse({"prompt": "abc"}, "/v1/completions").prompt_bytes == 3
+    assert parse({"prompt": [1, 2, 3]}, "/v1/completions").prompt_bytes == 12
+    assert err({"prompt": ["a", "b"]}, "/v1/completions").param == "prompt"
+    assert err({}, "/v1/completions").param == "prompt"
+
+
+def test_upstream_rewrite_keeps_other_fields():
+    req = parse({"model": "m", "messages": MSGS, "temperature": 0.25, "stream": False,
+                 "stream_options": {"include_usage": False, "x": 1}, "custom": {"k": [1]}})
+    up = orjson.loads(upstream_body(req, token_ids=True))
+    assert up["stream"] is True and up["stream_options"] == {"include_usage": True, "x": 1}
+    assert up["return_token_ids"] is True and up["stream_interval"] == 1
+    assert up["temperature"] == 0.25 and up["custom"] == {"k": [1]} and up["messages"] == MSGS
+    plain = orjson.loads(upstream_body(req, token_ids=False))
+    assert "return_token_ids" not in plain and "stream_interval" not in plain

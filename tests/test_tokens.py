@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import pytest
+
+from narwhal.core.meter import EngineOutputError, Meter
+from narwhal.core.relay import Relay
+from narwhal.core.tokens import TokenIdError, count_token_ids
+
+
+@pytest.mark.parametrize("ids", [None, "1,2", [True], [1, False], [-1], [1.0], ["1"], {"a": 1}])
+def test_invalid_id_lists(ids):
+    with pytest.raises(TokenIdError):
+        count_token_ids({"token_ids": ids})
+
+
+def test_valid_ids_counted():
+    assert count_token_ids({"token_ids": [0, 5, 7]}) == 3
+    assert count_token_ids({"token_ids": []}) == 0
+
+
+def delta_event(delta, **kw):
+    return {"choices": [{"index": 0, "delta": delta} | kw]}
+
+
+@pytest.mark.parametrize("delta", [{"content": "a"}, {"reasoning": "r"}, {"refusal": "n"},
+                                   {"reasoning_content": "r"},
+                                   {"tool_calls": [{"index": 0, "function": {"arguments": "x"}}]}])
+def test_generation_events_need_ids(delta):
+    m = Meter(chat=True, token_ids=True)
+    with pytest.raises(TokenIdError):
+        m.observe(delta_event(delta))
+    assert m.observe(delta_event(delta, token_ids=[4, 5])) == 2
+    assert m.output_tokens == 2 and m.first_token_seen
+
+
+def test_role_and_finish_events_need_no_ids():
+    m = Meter(chat=True, token_ids=True)
+    assert m.observe(delta_event({"role": "assistant", "content": ""})) == 0
+    assert m.observe(delta_event({}, finish_reason="stop")) == 0
+    assert not m.first_token_seen
+
+
+def test_boolean_id_on_non_generating_event_still_fails():
+    with pytest.raises(TokenIdError):
+        Meter(chat=True, token_ids=True).observe(delta_event({}, token_ids=[True]))
+
+
+def test_text_completion_events():
+    m = Meter(chat=False, token_ids=True)
+    with pytest.raises(TokenIdError):
+        m.observe({"choices": [{"index": 0, "text": "a"}]})
+    assert m.observe({"choices": [{"index": 0, "text": "a", "token_ids": [1]}]}) == 1
+
+
+def test_dialect_without_ids_counts_events():
+    m = Meter(chat=True, token_ids=False)
+    m.observe(delta_event({"content": "a"}))
+    m.observe(delta_event({"content": "b"}))
+    assert m.output_tokens == 2
+
+
+def test_error_event_and_shape_errors():
+    m = Meter(chat=True, token_ids=True)
+    with pytest.raises(EngineOutputError, match="boom"):
+        m.observe({"error": {"message": "boom"}})
+    with pytest.raises(EngineOutputError):
+        m.observe([1])
+    with pytest.raises(EngineOutputError):
+        m.observe({"choices": "x"})
+
+
+def test_usage_and_prompt_ids_recorded():
+    m = Meter(chat=True, token_ids=True)
+    m.observe({"choices": [], "usage": {"prompt_tokens": 3}, "prompt_token_ids": [1, 2, 3]})
+    assert m.usage == {"prompt_tokens": 3} and m.prompt_token_ids == 3
+
+
+def test_relay_strips_ids_and_unrequested_usage():
+    r = Relay(expose_ids=False, include_usage=False)
+    ev = {"choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [1]}],
+          "prompt_token_ids": [2]}
+    assert r.event(ev, b"raw") == b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    assert r.event({"choices": [], "usage": {"x": 1}}, b"raw") is None
+
+
+def test_relay_verbatim_when_client_asked_for_everything():
+    r = Relay(expose_ids=True, include_usage=True)
+    assert r.event({"choices": []}, b'{"raw":1}') == b'data: {"raw":1}\n\n'
+
+
+def test_relay_keeps_ids_when_requested():
+    r = Relay(expose_ids=True, include_usage=False)
+    # Nothing to strip: the engine's bytes go out unchanged, IDs included.
+    assert r.event({"choices": [{"index": 0, "token_ids": [1]}]}, b"raw") == b"data: raw\n\n"
