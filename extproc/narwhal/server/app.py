@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 
 import grpc
 from aiohttp import web
@@ -15,50 +17,84 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ..config import Config
 from ..core.router import Router
 from .admin import admin_app
-from .extproc import SERVICE_NAME, ExternalProcessor
+from .extproc import PROCESS_PATH, SERVICE_NAME, ExternalProcessor, ExtProcCall
+from .grpc_health import CHECK_PATH, WATCH_PATH, HealthRegistry
+from .h2grpc import GrpcConnection
 from .health import health_loop
 from .loop import install_uvloop
 
 log = logging.getLogger("narwhal")
-HEALTH_SERVICES = ("", "liveness", "readiness", SERVICE_NAME)
+READINESS_SERVICES = ("", "readiness", SERVICE_NAME)
 DRAIN_TIMEOUT_S = 30.0
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+SetHealth = Callable[[str, int], Awaitable[None] | None]
 
 
-def _set_health(servicer: health.aio.HealthServicer, router: Router) -> asyncio.Task:
-    serving = health_pb2.HealthCheckResponse.SERVING
-    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+async def _start_h2(config: Config, router: Router) -> tuple[SetHealth, Callable]:
+    registry = HealthRegistry()
+    routes = {PROCESS_PATH: functools.partial(ExtProcCall, router),
+              CHECK_PATH: registry.check_call, WATCH_PATH: registry.watch_call}
+    connections: set[GrpcConnection] = set()
 
-    async def loop() -> None:
-        last = None
-        while True:
-            ready = router.not_ready_reason() is None
-            if ready != last:
-                await servicer.set("liveness", serving)
-                for name in ("", "readiness", SERVICE_NAME):
-                    await servicer.set(name, serving if ready else not_serving)
-                last = ready
-            await asyncio.sleep(0.2)
+    def factory() -> GrpcConnection:
+        conn = GrpcConnection(routes, on_lost=connections.discard)
+        connections.add(conn)
+        return conn
 
-    return asyncio.ensure_future(loop())
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(factory, config.serving.host, config.serving.extproc_port)
+
+    async def stop() -> None:
+        server.close()
+        for conn in list(connections):
+            if conn.transport is not None:
+                conn.transport.close()
+        await server.wait_closed()
+
+    return registry.set, stop
+
+
+async def _start_grpcio(config: Config, router: Router) -> tuple[SetHealth, Callable]:
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                                      ("grpc.so_reuseport", 0)])
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server)
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"{config.serving.host}:{config.serving.extproc_port}")
+    await server.start()
+    return servicer.set, functools.partial(server.stop, grace=1.0)
+
+
+async def _readiness_loop(router: Router, set_health: SetHealth) -> None:
+    """Mirror /ready into gRPC health, so Envoy and gateways see the same state."""
+    last = None
+    while True:
+        ready = router.not_ready_reason() is None
+        if ready != last:
+            for name, status in [("liveness", SERVING)] + [
+                    (n, SERVING if ready else NOT_SERVING) for n in READINESS_SERVICES]:
+                result = set_health(name, status)
+                if result is not None:
+                    await result
+            last = ready
+        await asyncio.sleep(0.2)
 
 
 async def serve(config: Config) -> None:
     router = Router(config)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                                      ("grpc.so_reuseport", 0)])
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{config.serving.host}:{config.serving.extproc_port}"
-    server.add_insecure_port(address)
-    await server.start()
+    start = _start_h2 if config.serving.transport == "h2" else _start_grpcio
+    set_health, stop_grpc = await start(config, router)
     runner = web.AppRunner(admin_app(router), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.telemetry.admin_host, config.telemetry.admin_port)
     await site.start()
-    tasks = [asyncio.ensure_future(health_loop(router)), _set_health(health_servicer, router)]
-    log.info("narwhal serving ext_proc on %s, admin on %s:%d", address,
-             config.telemetry.admin_host, config.telemetry.admin_port)
+    tasks = [asyncio.ensure_future(health_loop(router)),
+             asyncio.ensure_future(_readiness_loop(router, set_health))]
+    log.info("narwhal serving ext_proc (%s) on %s:%d, admin on %s:%d", config.serving.transport,
+             config.serving.host, config.serving.extproc_port, config.telemetry.admin_host,
+             config.telemetry.admin_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -74,7 +110,7 @@ async def serve(config: Config) -> None:
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await t
-    await server.stop(grace=1.0)
+    await stop_grpc()
     await runner.cleanup()
 
 

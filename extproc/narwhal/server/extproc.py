@@ -1,7 +1,9 @@
-"""The gRPC ext_proc servicer: a thin adapter between Envoy's messages and Exchange.
+"""The ext_proc adapters: Envoy's protobuf messages in, Exchange calls, replies out.
 
-Each ext_proc stream is one HTTP exchange. The adapter converts protobuf messages to
-the core's calls and the core's actions to protobuf replies; it makes no decisions.
+Each ext_proc stream is one HTTP exchange. The adapters convert protobuf messages to
+the core's calls and the core's actions to protobuf replies; they make no decisions.
+``ExtProcCall`` serves the default h2 transport (``h2grpc``); ``ExternalProcessor``
+is the same adapter as a grpcio servicer (``serving.transport: grpcio``).
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from google.protobuf import struct_pb2
 
 from ..core.exchange import LB_NAMESPACE, Action, Body, Exchange, Headers, Immediate, Trailers
 from ..core.router import Router
+from .h2grpc import INVALID_ARGUMENT, Stream
 
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 log = logging.getLogger("narwhal.extproc")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+PROCESS_PATH = f"/{SERVICE_NAME}/Process".encode()
 
 
 def _headers(msg: pb.HttpHeaders) -> dict[str, str]:
@@ -117,3 +121,40 @@ def _dispatch(ex: Exchange, msg: pb.ProcessingRequest) -> list[Action]:
     if kind == "response_trailers":
         return ex.response_trailers()
     return []
+
+
+class ExtProcCall:
+    """One ext_proc stream on the h2 transport."""
+
+    __slots__ = ("ex", "stream")
+
+    def __init__(self, router: Router, stream: Stream) -> None:
+        self.ex = Exchange(router)
+        self.stream = stream
+
+    def on_message(self, data: bytes) -> None:
+        try:
+            msg = pb.ProcessingRequest.FromString(data)
+        except Exception:  # upb raises its own DecodeError type
+            self.ex.close()
+            self.stream.finish(INVALID_ARGUMENT, "undecodable ProcessingRequest")
+            return
+        try:
+            actions = _dispatch(self.ex, msg)
+        except Exception as exc:
+            log.exception("exchange failed on %s", msg.WhichOneof("request"))
+            actions = self.ex.internal_error(exc)
+        send = self.stream.send
+        for action in actions:
+            send(to_proto(action).SerializeToString())
+            if action.__class__ is Immediate:
+                self.ex.close()
+                self.stream.finish()
+                return
+
+    def on_half_close(self) -> None:
+        self.ex.close()
+        self.stream.finish()
+
+    def on_cancel(self) -> None:
+        self.ex.close()
