@@ -19,7 +19,7 @@ from ..core.router import Router
 from .admin import admin_app
 from .extproc import PROCESS_PATH, SERVICE_NAME, ExternalProcessor, ExtProcCall
 from .grpc_health import CHECK_PATH, WATCH_PATH, HealthRegistry
-from .h2grpc import GrpcConnection
+from .grpc_server import GrpcConnection
 from .health import health_loop
 from .loop import install_uvloop
 

@@ -19,7 +19,7 @@ from google.protobuf import struct_pb2
 
 from ..core.exchange import LB_NAMESPACE, Action, Body, Exchange, Headers, Immediate, Trailers
 from ..core.router import Router
-from .h2grpc import INVALID_ARGUMENT, Stream
+from .grpc_server import INVALID_ARGUMENT, Stream
 
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 log = logging.getLogger("narwhal.extproc")

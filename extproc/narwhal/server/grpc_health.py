@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from grpc_health.v1 import health_pb2
 
-from .h2grpc import NOT_FOUND, Stream
+from .grpc_server import NOT_FOUND, Stream
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -1,17 +1,15 @@
-"""A single-threaded gRPC server on asyncio + h2, for the ext_proc hot path.
+"""A single-threaded gRPC server on asyncio, for the ext_proc hot path.
 
-Why not grpcio here: measured on this project's benchmark (README, "Performance"),
+Why not grpcio here: measured with this project's benchmark (README, "Performance"),
 grpc.aio's floor is ~55 µs of CPU per ext_proc message round trip even with an echo
 servicer, because every message crosses three threads (the EventEngine I/O thread,
-the completion-queue poller, the asyncio loop). A paced token stream sends one
-message per token, so that floor alone exceeds the budget. Here the HTTP/2 state
-machine is h2 (python-hyper's, the field's HTTP/2 library), messages stay xds-protos
-(upb) protobufs, and everything runs on the event loop that already holds the
-router state: no thread handoffs, and one socket write per read.
+the completion-queue poller, the asyncio loop), and a paced token stream sends one
+message per token. Here HTTP/2 is the sans-I/O ``http2.ServerConnection``, messages
+stay xds-protos (upb) protobufs, and everything runs on the event loop that already
+holds the router state: no thread handoffs, one socket write per read.
 
-Scope is what Envoy's gRPC client uses: unary and streaming calls over h2c with
-prior knowledge, identity encoding, trailers-only status. Everything the peer
-controls is bounded (message size, header list size, concurrent streams).
+Scope is what Envoy's gRPC client uses: unary and streaming calls over h2c with prior
+knowledge, identity encoding, status in trailers. Message size is bounded.
 """
 
 from __future__ import annotations
@@ -21,13 +19,9 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-import h2.config
-import h2.connection
-import h2.events
-import h2.exceptions
-import h2.settings
+from . import http2
 
-log = logging.getLogger("narwhal.h2grpc")
+log = logging.getLogger("narwhal.grpc")
 
 # gRPC status codes used here.
 OK = 0
@@ -37,9 +31,6 @@ RESOURCE_EXHAUSTED = 8
 UNIMPLEMENTED = 12
 INTERNAL = 13
 
-WINDOW = 16 * 1024 * 1024
-MAX_CONCURRENT_STREAMS = 16384
-MAX_HEADER_LIST = 64 * 1024
 RESPONSE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 
 
@@ -56,10 +47,9 @@ class Call(Protocol):
 class Stream:
     """Per-stream framing state plus the send side handed to the call."""
 
-    __slots__ = ("conn", "id", "buf", "call", "headers_sent", "closed", "pending", "max_message",
-                 "trailers")
+    __slots__ = ("conn", "id", "buf", "call", "headers_sent", "closed", "pending", "trailers")
 
-    def __init__(self, conn: GrpcConnection, stream_id: int, max_message: int) -> None:
+    def __init__(self, conn: GrpcConnection, stream_id: int) -> None:
         self.conn = conn
         self.id = stream_id
         self.buf = b""
@@ -67,7 +57,6 @@ class Stream:
         self.headers_sent = False
         self.closed = False
         self.pending = b""
-        self.max_message = max_message
         self.trailers: list[tuple[bytes, bytes]] = []
 
     def send(self, message: bytes) -> None:
@@ -76,12 +65,18 @@ class Stream:
         if not self.headers_sent:
             self.conn.h2.send_headers(self.id, RESPONSE_HEADERS)
             self.headers_sent = True
-        n = len(message)
-        self.pending += b"\x00" + n.to_bytes(4, "big") + message
+        frame = b"\x00" + len(message).to_bytes(4, "big") + message
+        if self.pending:
+            self.pending += frame
+        else:
+            sent = self.conn.h2.send_data(self.id, frame)
+            if sent == len(frame):
+                return
+            self.pending = frame[sent:]
         self.conn.flush(self)
 
     def finish(self, status: int = OK, message: str = "") -> None:
-        """Send trailers (after any data still waiting for flow-control window)."""
+        """End the call with trailers, after any data still waiting for window."""
         if self.closed:
             return
         self.closed = True
@@ -90,8 +85,8 @@ class Stream:
             trailers.append((b"grpc-message", message.encode("ascii", "replace")))
         self.trailers = trailers
         if not self.headers_sent:
-            self.conn.h2.send_headers(self.id, RESPONSE_HEADERS[:2] + trailers, end_stream=True)
-            self.conn.forget(self.id)
+            self.conn.h2.send_headers(self.id, RESPONSE_HEADERS + trailers, end_stream=True)
+            self.conn.streams.pop(self.id, None)
             return
         self.conn.flush(self)
 
@@ -106,47 +101,33 @@ class GrpcConnection(asyncio.Protocol):
         self.max_message = max_message
         self.on_lost = on_lost
         self.transport: asyncio.Transport | None = None
-        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(
-            client_side=False, header_encoding=None, validate_outbound_headers=False,
-            normalize_outbound_headers=False))
+        self.h2 = http2.ServerConnection()
         self.streams: dict[int, Stream] = {}
         self.blocked: set[int] = set()
 
     # -- asyncio.Protocol --------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
-        s = h2.settings.SettingCodes
-        self.h2.local_settings = h2.settings.Settings(client=False, initial_values={
-            s.INITIAL_WINDOW_SIZE: WINDOW, s.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
-            s.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST, s.ENABLE_PUSH: 0})
-        self.h2.initiate_connection()
-        self.h2.increment_flow_control_window(WINDOW)
-        transport.write(self.h2.data_to_send())
+        self.h2.initiate()
+        self._write()
 
     def data_received(self, data: bytes) -> None:
-        try:
-            events = self.h2.receive_data(data)
-        except h2.exceptions.ProtocolError as exc:
-            log.warning("closing HTTP/2 connection on protocol error: %s", exc)
-            self._write()
-            self.transport.close()
-            return
-        for ev in events:
+        for ev in self.h2.receive(data):
             cls = ev.__class__
-            if cls is h2.events.DataReceived:
+            if cls is http2.DataReceived:
                 self._data(ev)
-            elif cls is h2.events.RequestReceived:
+            elif cls is http2.RequestReceived:
                 self._request(ev)
-            elif cls is h2.events.StreamEnded:
-                st = self.streams.get(ev.stream_id)
-                if st is not None and st.call is not None:
-                    st.call.on_half_close()
-            elif cls is h2.events.StreamReset:
+            elif cls is http2.StreamReset:
                 self._cancel(ev.stream_id)
-            elif cls is h2.events.WindowUpdated:
+            elif cls is http2.WindowUpdated:
                 self._unblock(ev.stream_id)
-            elif cls is h2.events.ConnectionTerminated:
+            elif cls is http2.ConnectionTerminated:
+                if ev.code:
+                    log.warning("closing HTTP/2 connection: %s", ev.message)
+                self._write()
                 self.transport.close()
+                return
         self._write()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -156,35 +137,33 @@ class GrpcConnection(asyncio.Protocol):
             self.on_lost(self)
 
     # -- streams -----------------------------------------------------------------
-    def _request(self, ev: h2.events.RequestReceived) -> None:
+    def _request(self, ev: http2.RequestReceived) -> None:
         headers = dict(ev.headers)
-        st = Stream(self, ev.stream_id, self.max_message)
+        st = Stream(self, ev.stream_id)
         self.streams[ev.stream_id] = st
         factory = self.routes.get(headers.get(b":path", b""))
         if factory is None:
             st.finish(UNIMPLEMENTED, "unknown method")
-            return
-        if headers.get(b"grpc-encoding", b"identity") != b"identity":
+        elif headers.get(b"grpc-encoding", b"identity") != b"identity":
             st.finish(UNIMPLEMENTED, "only identity encoding is supported")
-            return
-        st.call = factory(st)
+        else:
+            st.call = factory(st)
+            if ev.end_stream:
+                st.call.on_half_close()
 
-    def _data(self, ev: h2.events.DataReceived) -> None:
-        sid = ev.stream_id
-        if ev.flow_controlled_length:
-            self.h2.acknowledge_received_data(ev.flow_controlled_length, sid)
-        st = self.streams.get(sid)
+    def _data(self, ev: http2.DataReceived) -> None:
+        st = self.streams.get(ev.stream_id)
         if st is None or st.call is None:
             return
         buf = st.buf + ev.data if st.buf else ev.data
         pos, end = 0, len(buf)
         while end - pos >= 5:
-            n = int.from_bytes(buf[pos + 1:pos + 5], "big")
             if buf[pos] != 0:
                 st.buf = b""
                 self._fail(st, UNIMPLEMENTED, "compressed messages are not supported")
                 return
-            if n > st.max_message:
+            n = int.from_bytes(buf[pos + 1:pos + 5], "big")
+            if n > self.max_message:
                 st.buf = b""
                 self._fail(st, RESOURCE_EXHAUSTED, "message exceeds the size limit")
                 return
@@ -196,6 +175,8 @@ class GrpcConnection(asyncio.Protocol):
             if st.closed:
                 return
         st.buf = buf[pos:] if pos < end else b""
+        if ev.end_stream and st.call is not None:
+            st.call.on_half_close()
 
     def _fail(self, st: Stream, status: int, message: str) -> None:
         call, st.call = st.call, None
@@ -211,35 +192,24 @@ class GrpcConnection(asyncio.Protocol):
             st.closed = True
             call.on_cancel()
 
-    def forget(self, stream_id: int) -> None:
-        self.streams.pop(stream_id, None)
-        self.blocked.discard(stream_id)
-
     # -- sending -----------------------------------------------------------------
     def flush(self, st: Stream) -> None:
-        """Send as much of the stream's pending data as flow control allows."""
-        conn = self.h2
-        try:
-            while st.pending:
-                window = conn.local_flow_control_window(st.id)
-                if window <= 0:
-                    self.blocked.add(st.id)
-                    return
-                size = min(window, conn.max_outbound_frame_size, len(st.pending))
-                conn.send_data(st.id, st.pending[:size])
-                st.pending = st.pending[size:]
-            self.blocked.discard(st.id)
-            if st.closed:
-                conn.send_headers(st.id, st.trailers, end_stream=True)
-                self.forget(st.id)
-        except h2.exceptions.StreamClosedError:
-            self._cancel(st.id)
+        """Send what flow control allows; trailers follow the last byte."""
+        if st.pending:
+            sent = self.h2.send_data(st.id, st.pending)
+            st.pending = st.pending[sent:]
+            if st.pending:
+                self.blocked.add(st.id)
+                return
+        self.blocked.discard(st.id)
+        if st.closed:
+            self.h2.send_headers(st.id, st.trailers, end_stream=True)
+            self.streams.pop(st.id, None)
 
     def _unblock(self, stream_id: int) -> None:
-        ids = list(self.blocked) if stream_id == 0 else [stream_id]
-        for sid in ids:
+        for sid in list(self.blocked) if stream_id == 0 else [stream_id]:
             st = self.streams.get(sid)
-            if st is not None:
+            if st is not None and sid in self.blocked:
                 self.flush(st)
 
     def _write(self) -> None:
