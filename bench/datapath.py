@@ -1,6 +1,7 @@
 """Data-path benchmark: Envoy alone vs Envoy -> Narwhal, side by side in one run.
 
     python -m bench.datapath [--duration S] [--reps N] [--connections C]
+                             [--transports asyncio,grpcio]
 
 (a) short requests (16 tokens) against an instant engine, non-streaming and
     streaming: requests/s of both paths, their ratio, Narwhal CPU µs per request;
@@ -72,8 +73,9 @@ def direct_envoy(workdir: Path, engine_port: int) -> tuple[subprocess.Popen, int
     return proc, port
 
 
-def short_requests(args: argparse.Namespace, workdir: Path) -> list[str]:
-    stack = Stack(sims=[SimSpec("instant")], model=MODEL).start()
+def short_requests(args: argparse.Namespace, workdir: Path, transport: str) -> list[str]:
+    stack = Stack(sims=[SimSpec("instant")], model=MODEL,
+                  config={"serving": {"transport": transport}}).start()
     envoy, direct_port = direct_envoy(workdir, stack.sims[0].port)
     narwhal_pid = stack.proc("narwhal").popen.pid
     rows = []
@@ -93,7 +95,8 @@ def short_requests(args: argparse.Namespace, workdir: Path) -> list[str]:
                 cpu_us.append((cpu_seconds(narwhal_pid) - c0) / n * 1e6)
                 via.append(rps)
             a, v, c = (statistics.median(x) for x in (alone, via, cpu_us))
-            rows.append(f"(a) {'streaming' if stream else 'non-streaming':13}  envoy alone "
+            rows.append(f"{transport:8} (a) {'streaming' if stream else 'non-streaming':13}  "
+                        f"envoy alone "
                         f"{a:8.0f} req/s   via narwhal {v:8.0f} req/s   ratio {v / a:6.1%}   "
                         f"narwhal CPU {c:6.0f} us/request")
     finally:
@@ -103,10 +106,10 @@ def short_requests(args: argparse.Namespace, workdir: Path) -> list[str]:
     return rows
 
 
-def paced_streams(args: argparse.Namespace, workdir: Path) -> list[str]:
+def paced_streams(args: argparse.Namespace, workdir: Path, transport: str) -> list[str]:
     tokens = 64
     stack = Stack(sims=[SimSpec("paced", args=["--tpot-ms", "5", "--max-num-seqs", "1024"])],
-                  model=MODEL).start()
+                  model=MODEL, config={"serving": {"transport": transport}}).start()
     narwhal_pid = stack.proc("narwhal").popen.pid
     body = {"model": MODEL, "max_tokens": tokens, "stream": True,
             "messages": [{"role": "user", "content": "hello there"}]}
@@ -121,7 +124,7 @@ def paced_streams(args: argparse.Namespace, workdir: Path) -> list[str]:
             rates.append(rps * tokens)
     finally:
         stack.stop()
-    return [f"(b) paced streams  5 ms/token x {tokens} tokens x 64 clients: "
+    return [f"{transport:8} (b) paced streams  5 ms/token x {tokens} tokens x 64 clients: "
             f"{statistics.median(rates):7.0f} token events/s   narwhal CPU "
             f"{statistics.median(per_event):5.1f} us/token event"]
 
@@ -131,17 +134,21 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per run")
     parser.add_argument("--reps", type=int, default=3, help="runs per path (median reported)")
     parser.add_argument("--connections", type=int, default=16, help="wrk connections for (a)")
+    parser.add_argument("--transports", default="asyncio,grpcio",
+                        help="serving.transport values to measure, comma-separated")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         print("bench: wrk not found (apt-get install wrk)", file=sys.stderr)
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="narwhal-bench-"))
-    rows = short_requests(args, workdir) + paced_streams(args, workdir)
+    rows = []
+    for transport in args.transports.split(","):
+        rows += short_requests(args, workdir, transport) + paced_streams(args, workdir, transport)
     loop = os.environ.get("NARWHAL_LOOP", "uvloop")
     print(f"Narwhal data-path benchmark ({os.cpu_count()} CPUs, loop {loop}, medians of "
           f"{args.reps} x {args.duration:g}s)")
     print(f"reproduce: python -m bench.datapath --duration {args.duration:g} --reps {args.reps} "
-          f"--connections {args.connections}")
+          f"--connections {args.connections} --transports {args.transports}")
     for row in rows:
         print(row)
     return 0

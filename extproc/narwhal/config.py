@@ -26,7 +26,7 @@ class Serving:
     max_request_bytes: int = 1_048_576
     host: str = "127.0.0.1"
     extproc_port: int = 9002
-    transport: str = "h2"
+    transport: str = "asyncio"
     max_event_bytes: int = 1_048_576
     max_response_bytes: int = 16_777_216
 
@@ -85,7 +85,7 @@ class Config:
 
 CHOICES = {
     "admission.mode": ("predictive", "open"),
-    "serving.transport": ("h2", "grpcio"),
+    "serving.transport": ("asyncio", "grpcio"),
     "router.role": ("active", "standby"),
     "engines.dialect": ("vllm", "openai"),
 }

@@ -29,11 +29,20 @@ DRAIN_TIMEOUT_S = 30.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
-SetHealth = Callable[[str, int], Awaitable[None] | None]
 
 
-async def _start_h2(config: Config, router: Router) -> tuple[SetHealth, Callable]:
-    registry = HealthRegistry()
+def health_status(router: Router, service: str) -> int | None:
+    """gRPC health per service name; None for names Narwhal does not serve."""
+    if service == "liveness":
+        return SERVING
+    if service in READINESS_SERVICES:
+        return SERVING if router.not_ready_reason() is None else NOT_SERVING
+    return None
+
+
+async def _start_asyncio(config: Config, router: Router) -> Callable[[], Awaitable[None]]:
+    registry = HealthRegistry(functools.partial(health_status, router))
+    router.listeners.append(registry.refresh)
     routes = {PROCESS_PATH: functools.partial(ExtProcCall, router),
               CHECK_PATH: registry.check_call, WATCH_PATH: registry.watch_call}
     connections: set[GrpcConnection] = set()
@@ -53,10 +62,10 @@ async def _start_h2(config: Config, router: Router) -> tuple[SetHealth, Callable
                 conn.transport.close()
         await server.wait_closed()
 
-    return registry.set, stop
+    return stop
 
 
-async def _start_grpcio(config: Config, router: Router) -> tuple[SetHealth, Callable]:
+async def _start_grpcio(config: Config, router: Router) -> Callable[[], Awaitable[None]]:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024),
                                       ("grpc.so_reuseport", 0)])
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server)
@@ -64,34 +73,25 @@ async def _start_grpcio(config: Config, router: Router) -> tuple[SetHealth, Call
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     server.add_insecure_port(f"{config.serving.host}:{config.serving.extproc_port}")
     await server.start()
-    return servicer.set, functools.partial(server.stop, grace=1.0)
 
+    def mirror() -> None:
+        for name in ("liveness", *READINESS_SERVICES):
+            asyncio.ensure_future(servicer.set(name, health_status(router, name)))
 
-async def _readiness_loop(router: Router, set_health: SetHealth) -> None:
-    """Mirror /ready into gRPC health, so Envoy and gateways see the same state."""
-    last = None
-    while True:
-        ready = router.not_ready_reason() is None
-        if ready != last:
-            for name, status in [("liveness", SERVING)] + [
-                    (n, SERVING if ready else NOT_SERVING) for n in READINESS_SERVICES]:
-                result = set_health(name, status)
-                if result is not None:
-                    await result
-            last = ready
-        await asyncio.sleep(0.2)
+    mirror()
+    router.listeners.append(mirror)
+    return functools.partial(server.stop, grace=1.0)
 
 
 async def serve(config: Config) -> None:
     router = Router(config)
-    start = _start_h2 if config.serving.transport == "h2" else _start_grpcio
-    set_health, stop_grpc = await start(config, router)
+    start = _start_asyncio if config.serving.transport == "asyncio" else _start_grpcio
+    stop_grpc = await start(config, router)
     runner = web.AppRunner(admin_app(router), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.telemetry.admin_host, config.telemetry.admin_port)
     await site.start()
-    tasks = [asyncio.ensure_future(health_loop(router)),
-             asyncio.ensure_future(_readiness_loop(router, set_health))]
+    tasks = [asyncio.ensure_future(health_loop(router))]
     log.info("narwhal serving ext_proc (%s) on %s:%d, admin on %s:%d", config.serving.transport,
              config.serving.host, config.serving.extproc_port, config.telemetry.admin_host,
              config.telemetry.admin_port)
@@ -102,6 +102,7 @@ async def serve(config: Config) -> None:
     await stop.wait()
     # Drain: refuse new work, let in-flight streams finish, then exit.
     router.draining = True
+    router.changed()
     deadline = loop.time() + DRAIN_TIMEOUT_S
     while router.accounting.in_flight > 0 and loop.time() < deadline:
         await asyncio.sleep(0.05)

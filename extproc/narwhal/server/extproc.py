@@ -2,7 +2,7 @@
 
 Each ext_proc stream is one HTTP exchange. The adapters convert protobuf messages to
 the core's calls and the core's actions to protobuf replies; they make no decisions.
-``ExtProcCall`` serves the default h2 transport (``h2grpc``); ``ExternalProcessor``
+``ExtProcCall`` serves the default asyncio transport (``grpc_server``); ``ExternalProcessor``
 is the same adapter as a grpcio servicer (``serving.transport: grpcio``).
 """
 
@@ -124,7 +124,7 @@ def _dispatch(ex: Exchange, msg: pb.ProcessingRequest) -> list[Action]:
 
 
 class ExtProcCall:
-    """One ext_proc stream on the h2 transport."""
+    """One ext_proc stream on the asyncio transport."""
 
     __slots__ = ("ex", "stream")
 

@@ -1,6 +1,12 @@
-"""gRPC health (grpc.health.v1) for the h2 transport: Check and Watch, per service name."""
+"""gRPC health (grpc.health.v1) for the asyncio transport: Check and Watch.
+
+Check answers from the router's state at the moment of the call, so it can never
+disagree with /ready; Watch streams push on every router state change.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from grpc_health.v1 import health_pb2
 
@@ -13,19 +19,23 @@ CHECK_PATH = b"/grpc.health.v1.Health/Check"
 WATCH_PATH = b"/grpc.health.v1.Health/Watch"
 
 
-class HealthRegistry:
-    def __init__(self) -> None:
-        self.status: dict[str, int] = {}
-        self.watchers: dict[str, set[Stream]] = {}
+def _response(status: int) -> bytes:
+    return health_pb2.HealthCheckResponse(status=status).SerializeToString()
 
-    def set(self, service: str, status: int) -> None:
-        if self.status.get(service) == status:
-            return
-        self.status[service] = status
-        data = health_pb2.HealthCheckResponse(status=status).SerializeToString()
-        for st in list(self.watchers.get(service, ())):
-            st.send(data)
-            st.conn.write_soon()
+
+class HealthRegistry:
+    def __init__(self, status_of: Callable[[str], int | None]) -> None:
+        self.status_of = status_of
+        self.watchers: dict[Stream, tuple[str, int]] = {}
+
+    def refresh(self) -> None:
+        for st, (service, last) in list(self.watchers.items()):
+            status = self.status_of(service)
+            status = SERVICE_UNKNOWN if status is None else status
+            if status != last:
+                self.watchers[st] = (service, status)
+                st.send(_response(status))
+                st.conn.write_soon()
 
     def check_call(self, stream: Stream) -> _Check:
         return _Check(self, stream)
@@ -41,12 +51,11 @@ class _Check:
         self.reg, self.stream = reg, stream
 
     def on_message(self, data: bytes) -> None:
-        service = health_pb2.HealthCheckRequest.FromString(data).service
-        status = self.reg.status.get(service)
+        status = self.reg.status_of(health_pb2.HealthCheckRequest.FromString(data).service)
         if status is None:
             self.stream.finish(NOT_FOUND, "unknown service")
             return
-        self.stream.send(health_pb2.HealthCheckResponse(status=status).SerializeToString())
+        self.stream.send(_response(status))
         self.stream.finish()
 
     def on_half_close(self) -> None:
@@ -57,20 +66,20 @@ class _Check:
 
 
 class _Watch:
-    __slots__ = ("reg", "stream", "service")
+    __slots__ = ("reg", "stream")
 
     def __init__(self, reg: HealthRegistry, stream: Stream) -> None:
-        self.reg, self.stream, self.service = reg, stream, None
+        self.reg, self.stream = reg, stream
 
     def on_message(self, data: bytes) -> None:
-        self.service = health_pb2.HealthCheckRequest.FromString(data).service
-        self.reg.watchers.setdefault(self.service, set()).add(self.stream)
-        status = self.reg.status.get(self.service, SERVICE_UNKNOWN)
-        self.stream.send(health_pb2.HealthCheckResponse(status=status).SerializeToString())
+        service = health_pb2.HealthCheckRequest.FromString(data).service
+        status = self.reg.status_of(service)
+        status = SERVICE_UNKNOWN if status is None else status
+        self.reg.watchers[self.stream] = (service, status)
+        self.stream.send(_response(status))
 
     def on_half_close(self) -> None:
         pass  # a watch lives until the client cancels it
 
     def on_cancel(self) -> None:
-        if self.service is not None:
-            self.reg.watchers.get(self.service, set()).discard(self.stream)
+        self.reg.watchers.pop(self.stream, None)

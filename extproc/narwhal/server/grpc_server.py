@@ -63,13 +63,13 @@ class Stream:
         if self.closed:
             return
         if not self.headers_sent:
-            self.conn.h2.send_headers(self.id, RESPONSE_HEADERS)
+            self.conn.http2.send_headers(self.id, RESPONSE_HEADERS)
             self.headers_sent = True
         frame = b"\x00" + len(message).to_bytes(4, "big") + message
         if self.pending:
             self.pending += frame
         else:
-            sent = self.conn.h2.send_data(self.id, frame)
+            sent = self.conn.http2.send_data(self.id, frame)
             if sent == len(frame):
                 return
             self.pending = frame[sent:]
@@ -85,7 +85,7 @@ class Stream:
             trailers.append((b"grpc-message", message.encode("ascii", "replace")))
         self.trailers = trailers
         if not self.headers_sent:
-            self.conn.h2.send_headers(self.id, RESPONSE_HEADERS + trailers, end_stream=True)
+            self.conn.http2.send_headers(self.id, RESPONSE_HEADERS + trailers, end_stream=True)
             self.conn.streams.pop(self.id, None)
             return
         self.conn.flush(self)
@@ -101,18 +101,18 @@ class GrpcConnection(asyncio.Protocol):
         self.max_message = max_message
         self.on_lost = on_lost
         self.transport: asyncio.Transport | None = None
-        self.h2 = http2.ServerConnection()
+        self.http2 = http2.ServerConnection()
         self.streams: dict[int, Stream] = {}
         self.blocked: set[int] = set()
 
     # -- asyncio.Protocol --------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
-        self.h2.initiate()
+        self.http2.initiate()
         self._write()
 
     def data_received(self, data: bytes) -> None:
-        for ev in self.h2.receive(data):
+        for ev in self.http2.receive(data):
             cls = ev.__class__
             if cls is http2.DataReceived:
                 self._data(ev)
@@ -196,14 +196,14 @@ class GrpcConnection(asyncio.Protocol):
     def flush(self, st: Stream) -> None:
         """Send what flow control allows; trailers follow the last byte."""
         if st.pending:
-            sent = self.h2.send_data(st.id, st.pending)
+            sent = self.http2.send_data(st.id, st.pending)
             st.pending = st.pending[sent:]
             if st.pending:
                 self.blocked.add(st.id)
                 return
         self.blocked.discard(st.id)
         if st.closed:
-            self.h2.send_headers(st.id, st.trailers, end_stream=True)
+            self.http2.send_headers(st.id, st.trailers, end_stream=True)
             self.streams.pop(st.id, None)
 
     def _unblock(self, stream_id: int) -> None:
@@ -213,7 +213,7 @@ class GrpcConnection(asyncio.Protocol):
                 self.flush(st)
 
     def _write(self) -> None:
-        data = self.h2.data_to_send()
+        data = self.http2.data_to_send()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 

@@ -28,6 +28,7 @@ async def check_once(router: Router, session: aiohttp.ClientSession) -> None:
         engine.checked = True
 
     await asyncio.gather(*(one(e) for e in router.pool.engines))
+    router.changed()
 
 
 async def health_loop(router: Router) -> None:

@@ -1,0 +1,165 @@
+"""The sans-I/O HTTP/2 server connection, driven by h2 (python-hyper) as the peer."""
+
+from __future__ import annotations
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+import pytest
+
+from narwhal.server import http2
+
+REQUEST = [(":method", "POST"), (":scheme", "http"), (":authority", "x"), (":path", "/svc/M"),
+           ("content-type", "application/grpc")]
+
+
+def pair(client_window: int = 65535):
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True,
+                                                                  header_encoding="utf-8"))
+    client.local_settings = h2.settings.Settings(client=True, initial_values={
+        h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: client_window})
+    client.initiate_connection()
+    server = http2.ServerConnection(window=1 << 20)
+    server.initiate()
+    return client, server
+
+
+def pump(client, server) -> tuple[list, list]:
+    """Exchange bytes until both sides are quiet; return (server events, client events)."""
+    s_events, c_events = [], []
+    for _ in range(10):
+        to_server = client.data_to_send()
+        s_events += server.receive(to_server) if to_server else []
+        to_client = server.data_to_send()
+        c_events += client.receive_data(to_client) if to_client else []
+        if not to_server and not to_client:
+            break
+    return s_events, c_events
+
+
+def test_request_data_and_response():
+    client, server = pair()
+    pump(client, server)
+    client.send_headers(1, REQUEST)
+    client.send_data(1, b"hello", end_stream=True)
+    s_events, _ = pump(client, server)
+    req, data = s_events
+    assert isinstance(req, http2.RequestReceived) and dict(req.headers)[b":path"] == b"/svc/M"
+    assert isinstance(data, http2.DataReceived) and data.data == b"hello" and data.end_stream
+    server.send_headers(1, [(b":status", b"200")])
+    assert server.send_data(1, b"world") == 5
+    server.send_headers(1, [(b"grpc-status", b"0")], end_stream=True)
+    _, c_events = pump(client, server)
+    kinds = [type(e) for e in c_events]
+    assert h2.events.ResponseReceived in kinds and h2.events.TrailersReceived in kinds
+    assert b"".join(e.data for e in c_events if isinstance(e, h2.events.DataReceived)) == b"world"
+    assert any(isinstance(e, h2.events.StreamEnded) for e in c_events)
+
+
+def test_flow_control_blocks_and_resumes():
+    client, server = pair(client_window=10)
+    pump(client, server)
+    client.send_headers(1, REQUEST)
+    pump(client, server)
+    server.send_headers(1, [(b":status", b"200")])
+    assert server.send_data(1, b"x" * 25) == 10
+    assert server.send_window(1) == 0
+    _, c_events = pump(client, server)
+    got = sum(len(e.data) for e in c_events if isinstance(e, h2.events.DataReceived))
+    client.acknowledge_received_data(got, 1)
+    client.increment_flow_control_window(100, stream_id=1)
+    s_events, _ = pump(client, server)
+    assert any(isinstance(e, http2.WindowUpdated) and e.stream_id == 1 for e in s_events)
+    assert server.send_data(1, b"x" * 15) == 15
+
+
+def test_large_data_is_split_into_frames():
+    client, server = pair(client_window=1 << 20)
+    pump(client, server)
+    client.send_headers(1, REQUEST)
+    client.increment_flow_control_window(1 << 20)
+    pump(client, server)
+    server.send_headers(1, [(b":status", b"200")])
+    body = bytes(range(256)) * 300  # 76,800 bytes > 16,384 max frame
+    assert server.send_data(1, body) == len(body)
+    _, c_events = pump(client, server)
+    assert b"".join(e.data for e in c_events if isinstance(e, h2.events.DataReceived)) == body
+
+
+def test_inbound_window_is_replenished():
+    client, server = pair()
+    pump(client, server)
+    client.send_headers(1, REQUEST)
+    total = 0
+    for _ in range(100):  # 100 x 16 KiB = 1.6 MiB, beyond the 1 MiB window
+        client.send_data(1, b"y" * 16384)
+        total += 16384
+        s_events, _ = pump(client, server)
+    assert total > 1 << 20  # h2 would have raised FlowControlError without updates
+
+
+def test_ping_is_acknowledged():
+    client, server = pair()
+    pump(client, server)
+    client.ping(b"12345678")
+    _, c_events = pump(client, server)
+    assert any(isinstance(e, h2.events.PingAckReceived) and e.ping_data == b"12345678"
+               for e in c_events)
+
+
+def test_reset_stream_event():
+    client, server = pair()
+    pump(client, server)
+    client.send_headers(1, REQUEST)
+    pump(client, server)
+    client.reset_stream(1)
+    s_events, _ = pump(client, server)
+    assert [type(e) for e in s_events] == [http2.StreamReset]
+
+
+def test_long_header_block_uses_continuation():
+    client, server = pair()
+    pump(client, server)
+    big = [(f"x-big-{i}", "v" * 1000) for i in range(30)]  # ~30 KiB of headers
+    client.send_headers(1, REQUEST + big, end_stream=True)
+    s_events, _ = pump(client, server)
+    (req,) = s_events
+    assert len(req.headers) == len(REQUEST) + 30 and req.end_stream
+
+
+def test_settings_change_adjusts_open_stream_windows():
+    client, server = pair(client_window=100)
+    pump(client, server)
+    client.send_headers(1, REQUEST)
+    pump(client, server)
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 50})
+    pump(client, server)
+    assert server.send_window(1) == 50
+
+
+def test_bad_preface_terminates():
+    server = http2.ServerConnection()
+    (ev,) = server.receive(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert isinstance(ev, http2.ConnectionTerminated) and ev.code == http2.PROTOCOL_ERROR
+
+
+def test_oversized_frame_terminates_with_goaway():
+    server = http2.ServerConnection()
+    frame = (20000).to_bytes(3, "big") + b"\x00\x00" + (1).to_bytes(4, "big") + b"z" * 20000
+    events = server.receive(http2.PREFACE + frame)
+    assert events[-1].code == http2.FRAME_SIZE_ERROR
+    out = server.data_to_send()
+    assert out[3] == 7 and server.closed  # one GOAWAY frame, then nothing more is read
+    assert server.receive(frame) == []
+
+
+@pytest.mark.parametrize("cut", [1, 5, 9, 24, 30])
+def test_frames_split_anywhere(cut):
+    client, _ = pair()
+    server = http2.ServerConnection()
+    client.send_headers(1, REQUEST)
+    client.send_data(1, b"abc", end_stream=True)
+    raw = client.data_to_send()
+    events = server.receive(raw[:cut]) + server.receive(raw[cut:])
+    assert [type(e) for e in events] == [http2.RequestReceived, http2.DataReceived]
