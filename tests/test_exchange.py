@@ -154,3 +154,13 @@ def test_passthrough_route_echoes_bodies(router):
     (b,) = ex.response_body(b"{}", True)
     assert b.data == b"{}" and router.pool.engines[0].in_flight == 0
     assert router.accounting.offered == 0
+
+
+def test_assembled_response_is_bounded(router):
+    router.config = parse({"serving": {"max_response_bytes": 2000},
+                           "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]})
+    ex = Exchange(router)
+    up = admit(ex, orjson.dumps(orjson.loads(BODY) | {"max_tokens": 64}))
+    ex.response_headers({":status": "200"}, False)
+    (imm,) = ex.response_body(engine_stream(up), False)
+    assert imm.error.status == 502 and "max_response_bytes" in imm.error.message

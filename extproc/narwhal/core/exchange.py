@@ -71,7 +71,7 @@ class Exchange:
 
     __slots__ = ("router", "phase", "completion", "path", "buf", "request", "engine", "meter",
                  "relay", "assembler", "parser", "status", "terminal", "sized", "upstream_error",
-                 "request_ended")
+                 "request_ended", "response_bytes")
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -90,6 +90,7 @@ class Exchange:
         self.sized = False
         self.upstream_error = False
         self.request_ended = False
+        self.response_bytes = 0
 
     # -- request ---------------------------------------------------------------
     def request_headers(self, headers: dict[str, str], end_of_stream: bool) -> list[Action]:
@@ -240,6 +241,10 @@ class Exchange:
     def _assemble(self, chunk: bytes, end_of_stream: bool) -> list[Action]:
         meter, assembler = self.meter, self.assembler
         assert meter is not None and assembler is not None and self.request is not None
+        self.response_bytes += len(chunk)
+        limit = self.router.config.serving.max_response_bytes
+        if self.response_bytes > limit:
+            raise EngineOutputError(f"engine response exceeds serving.max_response_bytes ({limit})")
         for raw in self._events(chunk, end_of_stream):
             if raw == b"[DONE]":
                 continue
