@@ -19,8 +19,9 @@ HDRS = {":path": "/v1/chat/completions", ":method": "POST"}
 def router() -> Router:
     r = Router(parse({"serving": {"max_request_bytes": 1000},
                       "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]}))
-    for e in r.pool.engines:
+    for e in r.engines:
         e.healthy = e.checked = True
+        e.telemetry_at = r.clock()
     return r
 
 
@@ -56,7 +57,7 @@ def test_non_streaming_round_trip_counts_completed(router):
     assert ("content-length", str(len(b.data))) in h.set
     ex.close()
     assert router.accounting.terminal["completed"] == 1 and router.accounting.in_flight == 0
-    assert router.pool.engines[0].in_flight == 0 and router.pool.engines[0].output_tokens == 4
+    assert router.engines[0].in_flight == 0 and router.engines[0].output_tokens == 4
 
 
 def test_streaming_round_trip_forwards_events(router):
@@ -104,7 +105,7 @@ def test_client_gone_before_body_end_is_unsized_and_cancelled(router):
 
 
 def test_no_healthy_engine_is_503(router):
-    router.pool.engines[0].healthy = False
+    router.engines[0].healthy = False
     ex = Exchange(router)
     ex.request_headers(HDRS, False)
     (imm,) = ex.request_body(BODY, True)
@@ -115,6 +116,7 @@ def test_no_healthy_engine_is_503(router):
 
 def test_standby_router_refuses(router):
     router.config = parse({"router": {"role": "standby"}})
+    router.scheduler.config = router.config
     (imm,) = Exchange(router).request_headers(HDRS, False)
     assert imm.error.status == 503 and ("retry-after", "1") in imm.error.headers()
 
@@ -124,7 +126,7 @@ def test_token_id_fault_non_streaming_is_502_and_marks_engine(router):
     up = admit(ex)
     ex.response_headers({":status": "200"}, False)
     (imm,) = ex.response_body(engine_stream(up, "bool-token-id"), False)
-    assert imm.error.status == 502 and router.pool.engines[0].measurement_failures == 1
+    assert imm.error.status == 502 and router.engines[0].measurement_failures == 1
     assert ex.response_body(b"data: more\n\n", True) == []
     assert router.accounting.terminal["failed"] == 1
 
@@ -152,13 +154,14 @@ def test_passthrough_route_echoes_bodies(router):
     assert h.destination == "127.0.0.1:9"
     assert ex.response_headers({":status": "200"}, False) == [Headers(True)]
     (b,) = ex.response_body(b"{}", True)
-    assert b.data == b"{}" and router.pool.engines[0].in_flight == 0
+    assert b.data == b"{}" and router.engines[0].in_flight == 0
     assert router.accounting.offered == 0
 
 
 def test_assembled_response_is_bounded(router):
     router.config = parse({"serving": {"max_response_bytes": 2000},
                            "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]})
+    router.scheduler.config = router.config
     ex = Exchange(router)
     up = admit(ex, orjson.dumps(orjson.loads(BODY) | {"max_tokens": 64}))
     ex.response_headers({":status": "200"}, False)

@@ -52,6 +52,10 @@ class EngineConfig:
     name: str
     url: str
     dialect: str = "vllm"
+    # Performance-model seeds, corrected online from measured TTFT and token timing.
+    prefill_tps: float = 10000.0
+    tpot_ms: float = 20.0
+    overhead_ms: float = 5.0
 
     @property
     def endpoint(self) -> str:
@@ -71,6 +75,13 @@ class Telemetry:
     admin_port: int = 9090
     health_interval_ms: int = 1000
     health_timeout_ms: int = 1000
+    stale_after_ms: int = 5000
+
+
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    bytes_per_token: float = 4.0
+    tokenizer: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +92,7 @@ class Config:
     engines: tuple[EngineConfig, ...] = ()
     router: Router = field(default_factory=Router)
     telemetry: Telemetry = field(default_factory=Telemetry)
+    sizing: Sizing = field(default_factory=Sizing)
 
 
 CHOICES = {
@@ -94,7 +106,8 @@ POSITIVE = {
     "admission.ttft_target_ms", "admission.retention_limit", "admission.max_wait_ms",
     "admission.request_timeout_ms", "scheduler.max_prefill_per_engine",
     "scheduler.max_decode_per_engine", "telemetry.health_interval_ms",
-    "telemetry.health_timeout_ms",
+    "telemetry.health_timeout_ms", "telemetry.stale_after_ms", "engines.prefill_tps",
+    "engines.tpot_ms", "sizing.bytes_per_token",
 }
 PORTS = {"serving.extproc_port", "telemetry.admin_port"}
 
@@ -132,7 +145,19 @@ def _check(hint: Any, value: Any, key: str) -> Any:
         if value < 0:
             raise ConfigError(f"{key}: must not be negative, got {value}")
         return value
+    if hint is float:
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if generic_key in POSITIVE and value <= 0:
+            raise ConfigError(f"{key}: must be positive, got {value}")
+        if value < 0:
+            raise ConfigError(f"{key}: must not be negative, got {value}")
+        return float(value)
     if hint is str:
+        if key == "sizing.tokenizer":
+            if not isinstance(value, str):
+                raise ConfigError(f"{key}: expected a file path, got {value!r}")
+            return value
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
         allowed = CHOICES.get(generic_key)

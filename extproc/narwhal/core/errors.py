@@ -68,6 +68,16 @@ def request_too_large(limit: int) -> HttpError:
                      "invalid_request_error", INVALID, code="request_too_large")
 
 
+def retention_full() -> HttpError:
+    return HttpError(429, "Too many requests in flight (HTTP retention limit); retry",
+                     "rate_limit_error", REJECTED, code="retention_full", retry_after=1)
+
+
+def terminal_expiry(why: str) -> HttpError:
+    return HttpError(504, f"Terminal expiry: {why} before response headers", "timeout_error",
+                     EXPIRED, code="terminal_expiry")
+
+
 def backend_unavailable() -> HttpError:
     return HttpError(503, "No placement-eligible engine is available", "service_unavailable",
                      UNAVAILABLE, code="backend_unavailable", retry_after=1)

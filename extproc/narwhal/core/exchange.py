@@ -7,6 +7,7 @@ terminal class.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -14,18 +15,21 @@ import orjson
 
 from . import errors
 from .assembly import Assembler
+from .engines import EngineState
 from .errors import HttpError
 from .meter import EngineOutputError, Meter
-from .pool import EngineState
 from .relay import DONE, Relay
 from .request import COMPLETION_PATHS, CompletionRequest, parse_request, upstream_body
-from .router import Router
+from .router import Router, TimerHandle
+from .scheduler import Dispatch, Queued, Refuse, Ticket
 from .sse import SSEError, SSEParser
 from .tokens import TokenIdError
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
-BYTES_PER_TOKEN = 4  # until sizing learns the engines' ratio
+SLO_HEADER = "x-slo-ttft-ms"
+TIMEOUT_HEADER = "x-request-timeout-ms"
+PREDICTED_HEADER = "x-narwhal-predicted-ttft-ms"
 
 
 @dataclass(slots=True)
@@ -61,6 +65,7 @@ Action = Headers | Body | Trailers | Immediate
 class Phase(Enum):
     REQUEST_HEADERS = auto()
     REQUEST_BODY = auto()
+    QUEUED = auto()
     UPSTREAM = auto()
     RESPONSE_BODY = auto()
     DONE = auto()
@@ -71,7 +76,8 @@ class Exchange:
 
     __slots__ = ("router", "phase", "completion", "path", "buf", "request", "engine", "meter",
                  "relay", "assembler", "parser", "status", "terminal", "sized", "upstream_error",
-                 "request_ended", "response_bytes")
+                 "request_ended", "response_bytes", "held", "arrival", "deadline", "budget_s",
+                 "ticket", "timer", "sink", "client_headers_sent", "last_token_at")
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -91,6 +97,16 @@ class Exchange:
         self.upstream_error = False
         self.request_ended = False
         self.response_bytes = 0
+        self.held = False
+        self.arrival = 0.0
+        self.deadline = 0.0
+        self.budget_s = 0.0
+        self.ticket: Ticket | None = None
+        self.timer: TimerHandle | None = None
+        # Where actions go that no ext_proc message prompted (queue dispatch, expiry).
+        self.sink: Callable[[list[Action]], None] = _drop
+        self.client_headers_sent = False
+        self.last_token_at = 0.0
 
     # -- request ---------------------------------------------------------------
     def request_headers(self, headers: dict[str, str], end_of_stream: bool) -> list[Action]:
@@ -111,16 +127,32 @@ class Exchange:
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             return self._refuse(errors.request_too_large(limit))
+        adm = self.router.config.admission
+        if self.router.held >= adm.retention_limit:
+            return self._refuse(errors.retention_full())
+        self.router.held += 1
+        self.held = True
+        try:
+            budget_ms = _ms_header(headers, SLO_HEADER, adm.ttft_target_ms)
+            timeout_ms = min(_ms_header(headers, TIMEOUT_HEADER, adm.request_timeout_ms),
+                             adm.request_timeout_ms)
+        except HttpError as exc:
+            return self._refuse(exc)
+        now = self.router.clock()
+        self.arrival = now
+        self.budget_s = budget_ms / 1000
+        self.deadline = now + timeout_ms / 1000
+        self._arm(self.deadline)
         self.phase = Phase.REQUEST_BODY
         if end_of_stream:
             return self.request_body(b"", True)
         return []
 
     def _passthrough_headers(self, method: str, end_of_stream: bool) -> list[Action]:
-        engine = self.router.pool.place()
-        if engine is None:
+        serviceable = self.router.scheduler.serviceable(self.router.clock())
+        if not serviceable:
             return [Immediate(errors.backend_unavailable())]
-        self.engine = engine
+        engine = min(serviceable, key=lambda e: e.in_flight)
         self.phase = Phase.UPSTREAM
         self.request_ended = end_of_stream
         return [Headers(False, destination=engine.endpoint,
@@ -150,10 +182,28 @@ class Exchange:
             return self._refuse(exc)
         self.request = req
         self.sized = True
-        engine = self.router.pool.place()
-        if engine is None:
-            return self._refuse(errors.backend_unavailable())
-        self.engine = engine
+        now = self.router.clock()
+        self.ticket = Ticket(self, self.router.sizer.estimate(req.prompt_bytes), self.arrival,
+                             self.budget_s, self.deadline)
+        decision = self.router.scheduler.admit(self.ticket, now)
+        if isinstance(decision, Refuse):
+            return self._refuse(decision.error)
+        if isinstance(decision, Queued):
+            self.phase = Phase.QUEUED
+            self._arm(min(self.deadline, now + self.router.config.admission.max_wait_ms / 1000))
+            return []
+        assert isinstance(decision, Dispatch)
+        return self._upstream()
+
+    def dispatched_from_queue(self) -> None:
+        """The scheduler placed this queued request: send it upstream now."""
+        self._arm(self.deadline)
+        self.sink(self._upstream())
+
+    def _upstream(self) -> list[Action]:
+        req, ticket = self.request, self.ticket
+        assert req is not None and ticket is not None and ticket.engine is not None
+        engine = self.engine = ticket.engine
         self.meter = Meter(req.chat, engine.token_ids)
         self.parser = SSEParser(self.router.config.serving.max_event_bytes)
         if req.stream:
@@ -185,13 +235,21 @@ class Exchange:
         if self.status != 200:
             self.upstream_error = True
         elif self.relay is not None:
-            out: list[Action] = [Headers(True, remove=["content-length"])]
+            self.client_headers_sent = True
+            out: list[Action] = [Headers(True, set=self._info_headers(),
+                                         remove=["content-length"])]
             if end_of_stream:
                 out += self.response_body(b"", True)
             return out
         if end_of_stream:
             return self.response_body(b"", True)
         return []  # held: the assembled body decides status and content-length
+
+    def _info_headers(self) -> list[tuple[str, str]]:
+        t = self.ticket
+        if t is None or t.predicted_ttft_s is None:
+            return []
+        return [(PREDICTED_HEADER, str(round(t.predicted_ttft_s * 1000)))]
 
     def response_body(self, chunk: bytes, end_of_stream: bool) -> list[Action]:
         if not self.completion:
@@ -223,15 +281,18 @@ class Exchange:
         meter, relay = self.meter, self.relay
         assert meter is not None and relay is not None
         out: list[bytes] = []
+        tokens = 0
         for raw in self._events(chunk, end_of_stream):
             if raw == b"[DONE]":
                 out.append(DONE)
                 continue
             event = _decode(raw)
-            meter.observe(event)
+            tokens += meter.observe(event)
             data = relay.event(event, raw)
             if data is not None:
                 out.append(data)
+        if tokens:
+            self._tokens(tokens)
         if end_of_stream:
             self._finish(errors.COMPLETED)
         elif not out:
@@ -245,26 +306,41 @@ class Exchange:
         limit = self.router.config.serving.max_response_bytes
         if self.response_bytes > limit:
             raise EngineOutputError(f"engine response exceeds serving.max_response_bytes ({limit})")
+        tokens = 0
         for raw in self._events(chunk, end_of_stream):
             if raw == b"[DONE]":
                 continue
             event = _decode(raw)
-            meter.observe(event)
+            tokens += meter.observe(event)
             assembler.feed(event)
+        if tokens:
+            self._tokens(tokens)
         if not end_of_stream:
             return []
         usage = meter.usage or self._computed_usage()
         body = orjson.dumps(assembler.result(usage))
         self._finish(errors.COMPLETED)
+        self.client_headers_sent = True
         return [Headers(True, set=[("content-type", "application/json"),
-                                   ("content-length", str(len(body)))]),
+                                   ("content-length", str(len(body))), *self._info_headers()]),
                 Body(True, body, True)]
+
+    def _tokens(self, n: int) -> None:
+        """Output tokens arrived: the first frees the prefill slot; later ones time TPOT."""
+        now = self.router.clock()
+        t = self.ticket
+        if t is not None and t.first_token_at is None:
+            self.router.scheduler.first_token(t, now)
+            self.router.pump()
+        elif self.engine is not None and self.last_token_at:
+            self.engine.model.token_interval((now - self.last_token_at) * 1000 / n)
+        self.last_token_at = now
 
     def _computed_usage(self) -> dict[str, int]:
         assert self.meter is not None and self.request is not None
         prompt = self.meter.prompt_token_ids
         if prompt is None:
-            prompt = max(1, -(-self.request.prompt_bytes // BYTES_PER_TOKEN))
+            prompt = self.ticket.tokens if self.ticket else 1
         out = self.meter.output_tokens
         return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
 
@@ -307,21 +383,29 @@ class Exchange:
             return
         self.terminal = terminal
         self.phase = Phase.DONE
-        acct = self.router.accounting
+        router = self.router
+        acct = router.accounting
         acct.terminal[terminal] += 1
         if not self.sized:
             acct.unsized_offered += 1
-        if self.engine is not None:
-            self.router.pool.release(self.engine)
-            if self.meter is not None:
-                self.engine.output_tokens += self.meter.output_tokens
+        if self.held:
+            router.held -= 1
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.engine is not None and self.meter is not None:
+            self.engine.output_tokens += self.meter.output_tokens
             if terminal == errors.COMPLETED:
                 self.engine.completed += 1
+                usage = self.meter.usage
+                if usage is not None and self.request is not None:
+                    router.sizer.learn(self.request.prompt_bytes, usage.get("prompt_tokens"))
+        if self.ticket is not None:
+            router.scheduler.release(self.ticket)
+            router.pump()
 
     def _settle_passthrough(self) -> None:
-        if self.engine is not None and self.phase is not Phase.DONE:
-            self.phase = Phase.DONE
-            self.router.pool.release(self.engine)
+        self.phase = Phase.DONE
 
     def internal_error(self, exc: BaseException) -> list[Action]:
         """A bug in Narwhal: answer 500 if the client can still be told, count it failed."""
@@ -332,12 +416,55 @@ class Exchange:
             return [Body(True, err.sse_event(), True)]
         return self._refuse(err)
 
+    # -- time ------------------------------------------------------------------
+    def _arm(self, when: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = self.router.timers.call_later(max(0.0, when - self.router.clock()),
+                                                   self._on_timer)
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        actions = self.expire()
+        if actions:
+            self.sink(actions)
+
+    def expire(self) -> list[Action]:
+        """A timer fired: 504 if the admission wait or the deadline has run out."""
+        if self.terminal is not None or self.client_headers_sent:
+            return []
+        now = self.router.clock()
+        wait_over = (self.phase is Phase.QUEUED and self.ticket is not None
+                     and self.ticket.queued_at is not None
+                     and now - self.ticket.queued_at
+                     >= self.router.config.admission.max_wait_ms / 1000 - 1e-6)
+        if wait_over:
+            return self._refuse(errors.terminal_expiry("the admission wait expired"))
+        if now >= self.deadline - 1e-6:
+            return self._refuse(errors.terminal_expiry("the request deadline expired"))
+        self._arm(self.deadline)
+        return []
+
     def close(self) -> None:
         """The ext_proc stream ended: whatever is unfinished was cancelled."""
         if self.completion:
             self._finish(errors.CANCELLED)
         else:
             self._settle_passthrough()
+
+
+def _drop(actions: list[Action]) -> None:
+    pass
+
+
+def _ms_header(headers: dict[str, str], name: str, default: int) -> int:
+    value = headers.get(name)
+    if value is None:
+        return default
+    if not value.isdigit() or int(value) <= 0:
+        raise errors.invalid_request(f"header {name} must be a positive integer of milliseconds",
+                                     name)
+    return int(value)
 
 
 def _decode(raw: bytes) -> object:

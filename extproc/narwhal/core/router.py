@@ -1,24 +1,61 @@
-"""The router's shared state: configuration, pool, accounting, serving state."""
+"""The router's shared state: configuration, scheduler, accounting, serving state."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from ..config import Config
 from .accounting import Accounting
-from .pool import Pool
+from .engines import EngineState
+from .scheduler import Scheduler, Ticket
+from .sizing import Sizer
+
+
+class TimerHandle(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Timers(Protocol):
+    def call_later(self, delay: float, callback: Callable[[], None]) -> TimerHandle: ...
+
+
+class _NoTimer:
+    def cancel(self) -> None:
+        pass
+
+
+class NoTimers:
+    """For pure tests that never let time pass: timers are accepted and never fire."""
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> TimerHandle:
+        return _NoTimer()
 
 
 class Router:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic,
+                 timers: Timers | None = None) -> None:
         self.config = config
-        self.pool = Pool(config.engines)
+        self.clock = clock
+        self.timers: Timers = timers or NoTimers()
+        self.scheduler = Scheduler(config)
+        self.sizer = Sizer(config.sizing.bytes_per_token)
         self.accounting = Accounting()
+        self.held = 0  # requests inside the HTTP retention limit
         self.draining = False
+        self.fenced = False
         self.listeners: list[Callable[[], None]] = []
 
+    @property
+    def engines(self) -> list[EngineState]:
+        return self.scheduler.engines
+
+    def engine(self, name: str) -> EngineState | None:
+        return next((e for e in self.engines if e.name == name), None)
+
     def changed(self) -> None:
-        """Serving state may have changed (health round, drain): tell the listeners."""
+        """Serving state may have changed (health round, drain, admin): tell the listeners."""
         for listener in self.listeners:
             listener()
 
@@ -28,6 +65,21 @@ class Router:
             return "draining"
         if self.config.router.role == "standby":
             return "standby"
-        if not self.pool.checked:
+        if self.fenced:
+            return "fenced"
+        if not all(e.checked for e in self.engines):
             return "starting"
+        if self.scheduler.all_in_maintenance():
+            return "maintenance"
+        if self.scheduler.all_stale(self.clock()):
+            return "monitoring-degraded"
         return None
+
+    def wake(self, tickets: list[Ticket]) -> None:
+        """Tickets the scheduler dispatched from the queue: their exchanges send now."""
+        for t in tickets:
+            owner: Any = t.owner
+            owner.dispatched_from_queue()
+
+    def pump(self) -> None:
+        self.wake(self.scheduler.pump(self.clock()))

@@ -1,4 +1,5 @@
-"""Admin HTTP on its own port (never the client port): /ready /live /metrics /status."""
+"""Admin HTTP on its own port (never the client port): /ready /live /metrics /status,
+and the operator API under /admin (maintenance waves, fencing)."""
 
 from __future__ import annotations
 
@@ -34,26 +35,80 @@ def admin_app(router: Router) -> web.Application:
 
     async def status(request: web.Request) -> web.Response:
         acct = router.accounting
+        now = router.clock()
+        stale = router.scheduler.stale_after_s
         return _json({
             "version": __version__,
             "model": router.config.serving.model,
             "role": router.config.router.role,
+            "admission_mode": router.config.admission.mode,
             "ready": router.not_ready_reason() is None,
             "reason": router.not_ready_reason(),
             "requests": {"offered": acct.offered, "unsized_offered": acct.unsized_offered,
-                         "in_flight": acct.in_flight, "terminal": acct.terminal},
+                         "in_flight": acct.in_flight, "held": router.held,
+                         "queued": len(router.scheduler.queue), "terminal": acct.terminal},
+            "sizing": {"bytes_per_token": round(router.sizer.bytes_per_token, 3),
+                       "samples": router.sizer.samples},
+            "prediction_error": router.scheduler.error_quantiles(),
             "engines": [{"name": e.name, "url": e.config.url, "endpoint": e.endpoint,
                          "dialect": e.config.dialect, "healthy": e.healthy,
-                         "in_flight": e.in_flight, "completed": e.completed,
+                         "telemetry_fresh": e.fresh(now, stale), "maintenance": e.maintenance,
+                         "eligible": e.serviceable(now, stale),
+                         "in_flight": e.in_flight, "prefill": e.prefill, "decode": e.decode,
+                         "running": e.running, "waiting": e.waiting,
+                         "kv_cache_usage": e.kv_cache_usage,
+                         "prefill_tps": round(e.model.prefill_tps, 1),
+                         "tpot_ms": round(e.model.tpot_ms, 3),
+                         "dispatched": e.dispatched, "completed": e.completed,
                          "output_tokens": e.output_tokens,
                          "measurement_failures": e.measurement_failures,
                          "token_accounting": e.token_accounting}
-                        for e in router.pool.engines],
+                        for e in router.engines],
         })
+
+    async def _selection(request: web.Request) -> list:
+        try:
+            body = await request.json() if request.can_read_body else {}
+        except ValueError:
+            raise web.HTTPBadRequest(text='{"error": "body must be JSON"}',
+                                     content_type="application/json") from None
+        if not isinstance(body, dict):
+            body = {}
+        if body.get("all") is True:
+            return list(router.engines)
+        names = body.get("engines")
+        if not isinstance(names, list) or not names:
+            raise web.HTTPBadRequest(text='{"error": "give {\\"engines\\": [names]} or '
+                                     '{\\"all\\": true}"}', content_type="application/json")
+        engines = []
+        for name in names:
+            engine = router.engine(name) if isinstance(name, str) else None
+            if engine is None:
+                raise web.HTTPBadRequest(text=orjson.dumps({"error": f"unknown engine {name!r}"})
+                                         .decode(), content_type="application/json")
+            engines.append(engine)
+        return engines
+
+    async def maintenance(request: web.Request) -> web.Response:
+        engines = await _selection(request)
+        for e in engines:
+            e.maintenance = request.method == "POST"
+        router.changed()
+        router.pump()
+        return _json({"maintenance": [e.name for e in router.engines if e.maintenance]})
+
+    async def fence(request: web.Request) -> web.Response:
+        router.fenced = request.method == "POST"
+        router.changed()
+        return _json({"fenced": router.fenced})
 
     app = web.Application()
     app.router.add_get("/ready", ready)
     app.router.add_get("/live", live)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/status", status)
+    app.router.add_post("/admin/maintenance", maintenance)
+    app.router.add_delete("/admin/maintenance", maintenance)
+    app.router.add_post("/admin/fence", fence)
+    app.router.add_delete("/admin/fence", fence)
     return app

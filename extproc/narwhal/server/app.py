@@ -20,8 +20,8 @@ from .admin import admin_app
 from .extproc import PROCESS_PATH, SERVICE_NAME, ExternalProcessor, ExtProcCall
 from .grpc_health import CHECK_PATH, WATCH_PATH, HealthRegistry
 from .grpc_server import GrpcConnection
-from .health import health_loop
 from .loop import install_uvloop
+from .telemetry import telemetry_loop
 
 log = logging.getLogger("narwhal")
 READINESS_SERVICES = ("", "readiness", SERVICE_NAME)
@@ -83,15 +83,25 @@ async def _start_grpcio(config: Config, router: Router) -> Callable[[], Awaitabl
     return functools.partial(server.stop, grace=1.0)
 
 
+class LoopTimers:
+    """The core's timers on the running event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> asyncio.TimerHandle:
+        return self.loop.call_later(delay, callback)
+
+
 async def serve(config: Config) -> None:
-    router = Router(config)
+    router = Router(config, timers=LoopTimers(asyncio.get_running_loop()))
     start = _start_asyncio if config.serving.transport == "asyncio" else _start_grpcio
     stop_grpc = await start(config, router)
     runner = web.AppRunner(admin_app(router), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.telemetry.admin_host, config.telemetry.admin_port)
     await site.start()
-    tasks = [asyncio.ensure_future(health_loop(router))]
+    tasks = [asyncio.ensure_future(telemetry_loop(router))]
     log.info("narwhal serving ext_proc (%s) on %s:%d, admin on %s:%d", config.serving.transport,
              config.serving.host, config.serving.extproc_port, config.telemetry.admin_host,
              config.telemetry.admin_port)

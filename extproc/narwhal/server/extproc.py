@@ -8,6 +8,7 @@ is the same adapter as a grpcio servicer (``serving.transport: grpcio``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -78,27 +79,41 @@ def to_proto(action: Action) -> pb.ProcessingResponse:
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    """The grpcio adapter: replies come from the message loop and from the core's sink
+    (queue dispatch, expiry), merged through one asyncio queue to keep them ordered."""
+
     def __init__(self, router: Router) -> None:
         self.router = router
 
     async def Process(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         ex = Exchange(self.router)
-        read, write = context.read, context.write
-        try:
+        outbox: asyncio.Queue[list[Action] | None] = asyncio.Queue()
+        ex.sink = outbox.put_nowait
+
+        async def reader() -> None:
             while True:
-                msg = await read()
+                msg = await context.read()
                 if msg is grpc.aio.EOF:
+                    outbox.put_nowait(None)
                     return
                 try:
-                    actions = _dispatch(ex, msg)
+                    outbox.put_nowait(_dispatch(ex, msg))
                 except Exception as exc:
                     log.exception("exchange failed on %s", msg.WhichOneof("request"))
-                    actions = ex.internal_error(exc)
+                    outbox.put_nowait(ex.internal_error(exc))
+
+        task = asyncio.ensure_future(reader())
+        try:
+            while True:
+                actions = await outbox.get()
+                if actions is None:
+                    return
                 for action in actions:
-                    await write(to_proto(action))
+                    await context.write(to_proto(action))
                     if action.__class__ is Immediate:
                         return
         finally:
+            task.cancel()
             ex.close()
 
 
@@ -130,6 +145,7 @@ class ExtProcCall:
 
     def __init__(self, router: Router, stream: Stream) -> None:
         self.ex = Exchange(router)
+        self.ex.sink = self._sink
         self.stream = stream
 
     def on_message(self, data: bytes) -> None:
@@ -144,6 +160,9 @@ class ExtProcCall:
         except Exception as exc:
             log.exception("exchange failed on %s", msg.WhichOneof("request"))
             actions = self.ex.internal_error(exc)
+        self._send(actions)
+
+    def _send(self, actions: list[Action]) -> None:
         send = self.stream.send
         for action in actions:
             send(to_proto(action).SerializeToString())
@@ -151,6 +170,11 @@ class ExtProcCall:
                 self.ex.close()
                 self.stream.finish()
                 return
+
+    def _sink(self, actions: list[Action]) -> None:
+        """Actions outside a message (queue dispatch, expiry): send and flush now."""
+        self._send(actions)
+        self.stream.conn.write_soon()
 
     def on_half_close(self) -> None:
         self.ex.close()

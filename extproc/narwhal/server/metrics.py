@@ -37,9 +37,13 @@ class RouterCollector(Collector):
         failures = CounterMetricFamily("narwhal_engine_measurement_failures",
                                        "Decode attempts failed on token identity",
                                        labels=["engine"])
-        for eng in self.router.pool.engines:
+        for eng in self.router.engines:
             inflight.add_metric([eng.name], eng.in_flight)
             healthy.add_metric([eng.name], 1 if eng.healthy else 0)
             tokens.add_metric([eng.name], eng.output_tokens)
             failures.add_metric([eng.name], eng.measurement_failures)
         yield from (inflight, healthy, tokens, failures)
+        yield GaugeMetricFamily("narwhal_admission_queue_length", "Requests waiting for a slot",
+                                value=len(self.router.scheduler.queue))
+        yield GaugeMetricFamily("narwhal_requests_held", "Requests inside the retention limit",
+                                value=self.router.held)

@@ -1,0 +1,207 @@
+"""Admission and placement: limits, predictive TTFT refusal, the FIFO queue, slots.
+
+Pure and synchronous: the exchange asks ``admit`` once its body is sized; the
+scheduler answers dispatch-now, queued, or a refusal; slot releases (first token,
+end of stream) pump the queue and return the tickets that can now be dispatched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import Config
+from . import errors
+from .engines import EngineState
+from .errors import HttpError
+
+ERROR_WINDOW = 2048  # prediction errors kept for /status
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One request's admission state, from sizing to its last token."""
+
+    owner: Any  # the Exchange; opaque here
+    tokens: int
+    arrival: float
+    budget_s: float
+    deadline: float
+    queued_at: float | None = None
+    engine: EngineState | None = None
+    dispatched_at: float = 0.0
+    predicted_first: float = 0.0  # engine-level prediction (monotonic time)
+    predicted_ttft_s: float | None = None  # client-level projection at admission
+    first_token_at: float | None = None
+    done: bool = False
+
+
+class Decision:
+    __slots__ = ()
+
+
+@dataclass(slots=True)
+class Dispatch(Decision):
+    engine: EngineState
+
+
+@dataclass(slots=True)
+class Queued(Decision):
+    pass
+
+
+@dataclass(slots=True)
+class Refuse(Decision):
+    error: HttpError
+
+
+def prompt_too_long(alone_s: float, budget_s: float) -> HttpError:
+    return HttpError(
+        429, f"The prompt alone needs about {alone_s * 1000:.0f} ms to prefill, over the "
+        f"{budget_s * 1000:.0f} ms time-to-first-token budget: shorten the prompt or raise "
+        "the target (x-slo-ttft-ms)", "rate_limit_error", errors.REFUSED,
+        code="prompt_exceeds_ttft_budget")
+
+
+def projected_over_budget(projected_s: float, budget_s: float) -> HttpError:
+    overrun = projected_s - budget_s
+    return HttpError(
+        429, f"Projected time to first token {projected_s * 1000:.0f} ms exceeds the "
+        f"{budget_s * 1000:.0f} ms budget by {overrun * 1000:.0f} ms; retry later",
+        "rate_limit_error", errors.REFUSED, code="ttft_budget_exceeded",
+        retry_after=max(1, round(overrun)))
+
+
+def queue_full() -> HttpError:
+    return HttpError(429, "Admission queue is full; retry", "rate_limit_error", errors.REJECTED,
+                     code="queue_full", retry_after=1)
+
+
+class Scheduler:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.engines = [EngineState.from_config(e) for e in config.engines]
+        self.queue: deque[Ticket] = deque()
+        self.queued_tokens = 0
+        self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        self.stale_after_s = config.telemetry.stale_after_ms / 1000
+
+    # -- eligibility ---------------------------------------------------------------
+    def serviceable(self, now: float) -> list[EngineState]:
+        return [e for e in self.engines if e.serviceable(now, self.stale_after_s)]
+
+    def all_stale(self, now: float) -> bool:
+        return bool(self.engines) and not any(e.fresh(now, self.stale_after_s)
+                                              for e in self.engines)
+
+    def all_in_maintenance(self) -> bool:
+        return bool(self.engines) and all(e.maintenance for e in self.engines)
+
+    # -- admission -----------------------------------------------------------------
+    def admit(self, t: Ticket, now: float) -> Decision:
+        engines = self.serviceable(now)
+        if not engines:
+            return Refuse(errors.backend_unavailable())
+        total_tps = sum(e.model.prefill_tps for e in engines)
+        projected = min(e.model.projected_ttft_s(
+            now, t.tokens, self.queued_tokens * e.model.prefill_tps / total_tps) for e in engines)
+        t.predicted_ttft_s = projected
+        if self.config.admission.mode == "predictive":
+            alone = min(e.model.prefill_s(t.tokens) + e.model.overhead_ms / 1000 for e in engines)
+            if alone > t.budget_s:
+                return Refuse(prompt_too_long(alone, t.budget_s))
+            if projected > t.budget_s:
+                return Refuse(projected_over_budget(projected, t.budget_s))
+        if not self.queue:
+            engine = self._place(t, now, engines)
+            if engine is not None:
+                return Dispatch(engine)
+        if len(self.queue) >= self.config.admission.queue_limit:
+            return Refuse(queue_full())
+        t.queued_at = now
+        self.queue.append(t)
+        self.queued_tokens += t.tokens
+        return Queued()
+
+    def _place(self, t: Ticket, now: float, engines: list[EngineState]) -> EngineState | None:
+        sched = self.config.scheduler
+        best: EngineState | None = None
+        best_key: tuple[float, int] | None = None
+        for e in engines:
+            if not e.has_slot(sched.max_prefill_per_engine, sched.max_decode_per_engine):
+                continue
+            key = (e.model.projected_ttft_s(now, t.tokens), e.decode)
+            if best_key is None or key < best_key:
+                best, best_key = e, key
+        if best is not None:
+            best.prefill += 1
+            best.dispatched += 1
+            t.engine = best
+            t.dispatched_at = now
+            t.predicted_first = best.model.dispatch(now, t.tokens)
+        return best
+
+    def pump(self, now: float) -> list[Ticket]:
+        """Dispatch queued tickets, in order, while an engine has a slot."""
+        out: list[Ticket] = []
+        if not self.queue:
+            return out
+        engines = self.serviceable(now)
+        while self.queue:
+            t = self.queue[0]
+            if self._place(t, now, engines) is None:
+                break
+            self.queue.popleft()
+            self.queued_tokens -= t.tokens
+            t.queued_at = None
+            out.append(t)
+        return out
+
+    def dequeue(self, t: Ticket) -> None:
+        if t.queued_at is not None:
+            self.queue.remove(t)
+            self.queued_tokens -= t.tokens
+            t.queued_at = None
+
+    # -- slots -----------------------------------------------------------------------
+    def first_token(self, t: Ticket, now: float) -> None:
+        e = t.engine
+        if e is None or t.first_token_at is not None:
+            return
+        t.first_token_at = now
+        e.prefill -= 1
+        e.decode += 1
+        # FIFO prefill: this request's own service began when the engine finished the
+        # previous first token, or at dispatch if the engine was idle then.
+        service = now - max(t.dispatched_at, e.last_first_token)
+        e.last_first_token = now
+        e.model.first_token(now, t.predicted_first, service, t.tokens, e.prefill > 0)
+        if t.predicted_ttft_s is not None:
+            measured = now - t.arrival
+            if measured > 0:
+                self.errors.append(abs(t.predicted_ttft_s - measured) / measured)
+
+    def release(self, t: Ticket) -> None:
+        if t.done:
+            return
+        t.done = True
+        self.dequeue(t)
+        e = t.engine
+        if e is None:
+            return
+        if t.first_token_at is None:
+            e.prefill -= 1
+        else:
+            e.decode -= 1
+
+    def error_quantiles(self) -> dict[str, float | None]:
+        if not self.errors:
+            return {"p50": None, "p90": None, "samples": 0}
+        xs = sorted(self.errors)
+
+        def q(p: float) -> float:
+            return round(xs[min(len(xs) - 1, math.floor(p * len(xs)))], 4)
+
+        return {"p50": q(0.5), "p90": q(0.9), "samples": len(xs)}

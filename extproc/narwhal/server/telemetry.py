@@ -1,0 +1,80 @@
+"""Engine telemetry: /health and vLLM's /metrics on every engine, on a fixed interval.
+
+An engine whose last good scrape is older than ``telemetry.stale_after_ms`` is not
+placement-eligible; when every engine is stale the router is monitoring-degraded.
+Engines without a /metrics route (404) count as fresh on a passing health check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from ..core.engines import EngineState
+from ..core.router import Router
+
+log = logging.getLogger("narwhal.telemetry")
+GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+          "vllm:kv_cache_usage_perc": "kv_cache_usage"}
+MAX_METRICS_BYTES = 4 * 1024 * 1024
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """Sum the gauges Narwhal reads across label sets; ignore everything else."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        attr = GAUGES.get(name)
+        if attr is None:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        out[attr] = out.get(attr, 0.0) + value
+    return out
+
+
+async def scrape_engine(router: Router, engine: EngineState,
+                        session: aiohttp.ClientSession) -> None:
+    timeout = aiohttp.ClientTimeout(total=router.config.telemetry.health_timeout_ms / 1000)
+    base = engine.config.url.rstrip("/")
+    try:
+        async with session.get(base + "/health", timeout=timeout) as resp:
+            ok = resp.status == 200
+        fresh = False
+        if ok:
+            async with session.get(base + "/metrics", timeout=timeout) as resp:
+                if resp.status == 200:
+                    text = (await resp.content.read(MAX_METRICS_BYTES)).decode("utf-8", "replace")
+                    for attr, value in parse_vllm_metrics(text).items():
+                        setattr(engine, attr, value)
+                    fresh = True
+                else:
+                    fresh = resp.status == 404
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        ok = fresh = False
+    if ok != engine.healthy or not engine.checked:
+        log.info("engine %s is %s", engine.name, "healthy" if ok else "unhealthy")
+    engine.healthy = ok
+    engine.checked = True
+    if fresh:
+        engine.telemetry_at = router.clock()
+
+
+async def check_once(router: Router, session: aiohttp.ClientSession) -> None:
+    await asyncio.gather(*(scrape_engine(router, e, session) for e in router.engines))
+    router.changed()
+    router.pump()  # an engine that came back can take queued work
+
+
+async def telemetry_loop(router: Router) -> None:
+    interval = router.config.telemetry.health_interval_ms / 1000
+    async with aiohttp.ClientSession() as session:
+        while True:
+            await check_once(router, session)
+            await asyncio.sleep(interval)
