@@ -13,8 +13,9 @@ from narwhal.launch import SimSpec, Stack
 MODEL = "narwhal-sim"
 
 
-def _stack(sims: list[SimSpec], config: dict | None = None) -> Iterator[Stack]:
-    stack = Stack(sims=sims, config=config or {}, model=MODEL)
+def _stack(sims: list[SimSpec], config: dict | None = None,
+           engine_seed: dict | None = None) -> Iterator[Stack]:
+    stack = Stack(sims=sims, config=config or {}, model=MODEL, engine_seed=engine_seed or {})
     stack.start()
     try:
         yield stack

@@ -121,6 +121,7 @@ class Stack:
     extproc_port: int = 0
     envoy_admin_port: int = 0
     model: str = "narwhal-sim"
+    engine_seed: dict[str, Any] = field(default_factory=dict)  # extra keys for every engine
     workdir: Path | None = None
     procs: list[Proc] = field(default_factory=list)
 
@@ -152,7 +153,7 @@ class Stack:
         cfg["telemetry"].setdefault("health_interval_ms", 200)
         if "engines" not in cfg:
             cfg["engines"] = [{"name": s.name, "url": f"http://127.0.0.1:{s.port}",
-                               "dialect": s.dialect} for s in self.sims]
+                               "dialect": s.dialect} | self.engine_seed for s in self.sims]
         return cfg
 
     def start_sims(self, timeout: float = 30.0) -> Stack:

@@ -30,6 +30,7 @@ LB_NAMESPACE = "envoy.lb"
 SLO_HEADER = "x-slo-ttft-ms"
 TIMEOUT_HEADER = "x-request-timeout-ms"
 PREDICTED_HEADER = "x-narwhal-predicted-ttft-ms"
+TIMER_SLACK = 0.002  # event-loop timers may fire up to a millisecond early
 
 
 @dataclass(slots=True)
@@ -434,15 +435,15 @@ class Exchange:
         if self.terminal is not None or self.client_headers_sent:
             return []
         now = self.router.clock()
-        wait_over = (self.phase is Phase.QUEUED and self.ticket is not None
-                     and self.ticket.queued_at is not None
-                     and now - self.ticket.queued_at
-                     >= self.router.config.admission.max_wait_ms / 1000 - 1e-6)
-        if wait_over:
+        t = self.ticket
+        wait_end = None
+        if self.phase is Phase.QUEUED and t is not None and t.queued_at is not None:
+            wait_end = t.queued_at + self.router.config.admission.max_wait_ms / 1000
+        if wait_end is not None and wait_end < self.deadline and now >= wait_end - TIMER_SLACK:
             return self._refuse(errors.terminal_expiry("the admission wait expired"))
-        if now >= self.deadline - 1e-6:
+        if now >= self.deadline - TIMER_SLACK:
             return self._refuse(errors.terminal_expiry("the request deadline expired"))
-        self._arm(self.deadline)
+        self._arm(self.deadline if wait_end is None else min(wait_end, self.deadline))
         return []
 
     def close(self) -> None:

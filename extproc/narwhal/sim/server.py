@@ -1,8 +1,10 @@
 """The simulator's HTTP face: vLLM's routes, pacing, concurrency and transport faults.
 
 Timing model: a request waits for one of ``max_num_seqs`` slots (vLLM's waiting
-queue), then spends ``prompt_tokens / prefill_tps`` seconds before its first token,
-then ``tpot_ms * (1 + batch_slowdown * (running - 1))`` per further token.
+queue); prefill is one FIFO server of ``prefill_tps`` tokens/s shared by all requests
+(as one GPU's prefill compute is), so a request's first token comes after the prompts
+ahead of it and its own; then ``tpot_ms * (1 + batch_slowdown * (running - 1))`` per
+further token.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.requests_total = 0
+        self.prefill_free_at = 0.0
 
     def tpot_s(self) -> float:
         t = self.timing
@@ -128,7 +131,12 @@ class Engine:
             self.slots.release()
 
     async def _prefill(self, plan) -> None:
-        delay = plan.prompt_tokens / self.timing.prefill_tps if self.timing.prefill_tps else 0.0
+        delay = 0.0
+        if self.timing.prefill_tps:
+            now = asyncio.get_running_loop().time()
+            start = max(now, self.prefill_free_at)
+            self.prefill_free_at = start + plan.prompt_tokens / self.timing.prefill_tps
+            delay = self.prefill_free_at - now
         if plan.fault == "slow-start":
             delay += self.timing.slow_start_ms / 1000.0
         if delay:

@@ -1,0 +1,309 @@
+"""Seed "Admission and refusal semantics" rows through real Envoy, with slow simulators."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import httpx
+import openai
+import pytest
+
+from narwhal.launch import SimSpec, Stack
+
+from .conftest import MODEL, _stack, client_for
+
+MSGS = [{"role": "user", "content": "hi"}]
+CHAT = "/v1/chat/completions"
+SERIAL = {"max_prefill_per_engine": 1, "max_decode_per_engine": 1}
+POOL = concurrent.futures.ThreadPoolExecutor(8)
+
+
+def status(stack: Stack) -> dict:
+    return httpx.get(f"{stack.admin_url}/status", timeout=5).json()
+
+
+def wait_for(stack: Stack, cond: Callable[[dict], bool], timeout: float = 10.0) -> dict:
+    """Poll /status until ``cond`` holds: the tests' only synchronisation point."""
+    end = time.monotonic() + timeout
+    while True:
+        st = status(stack)
+        if cond(st):
+            return st
+        assert time.monotonic() < end, f"condition not reached: {st}"
+        time.sleep(0.02)
+
+
+def post(stack: Stack, body: dict, headers: dict | None = None,
+         timeout: float = 30) -> httpx.Response:
+    return httpx.post(f"{stack.url}{CHAT}", json={"model": MODEL, "messages": MSGS} | body,
+                      headers=headers or {}, timeout=timeout)
+
+
+def background(stack: Stack, body: dict, headers: dict | None = None):
+    return POOL.submit(post, stack, body, headers)
+
+
+def envelope(resp: httpx.Response, status_code: int) -> dict:
+    assert resp.status_code == status_code, resp.text
+    return resp.json()["error"]
+
+
+# -- retention, queue, expiry ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def no_queue():
+    yield from _stack([SimSpec("slow", args=["--tpot-ms", "20"])],
+                      {"admission": {"mode": "open", "queue_limit": 0}, "scheduler": SERIAL})
+
+
+@pytest.fixture(scope="module")
+def queue_stack():
+    yield from _stack([SimSpec("slow", args=["--tpot-ms", "10"])],
+                      {"admission": {"mode": "open", "queue_limit": 4, "retention_limit": 3,
+                                     "max_wait_ms": 20000}, "scheduler": SERIAL})
+
+
+@pytest.fixture(scope="module")
+def short_wait():
+    yield from _stack([SimSpec("slow", args=["--tpot-ms", "20"])],
+                      {"admission": {"mode": "open", "queue_limit": 4, "max_wait_ms": 300},
+                       "scheduler": SERIAL})
+
+
+def test_queue_full_is_429_retry_after_1(no_queue):
+    before = status(no_queue)["requests"]["terminal"]["rejected"]
+    first = background(no_queue, {"max_tokens": 40})
+    wait_for(no_queue, lambda s: s["engines"][0]["in_flight"] == 1)
+    resp = post(no_queue, {"max_tokens": 2})
+    assert envelope(resp, 429)["code"] == "queue_full"
+    assert resp.headers["retry-after"] == "1"
+    assert first.result().status_code == 200
+    assert status(no_queue)["requests"]["terminal"]["rejected"] == before + 1
+
+
+def test_openai_client_retry_honours_retry_after(no_queue):
+    before = status(no_queue)["requests"]
+    first = background(no_queue, {"max_tokens": 20})  # ~0.4 s, well under Retry-After: 1
+    wait_for(no_queue, lambda s: s["engines"][0]["in_flight"] == 1)
+    client = openai.OpenAI(base_url=f"{no_queue.url}/v1", api_key="x", max_retries=2)
+    started = time.monotonic()
+    resp = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
+    assert resp.usage.completion_tokens == 2
+    assert time.monotonic() - started >= 1.0  # it waited the Retry-After second
+    first.result()
+    after = wait_for(no_queue, lambda s: s["requests"]["in_flight"] == 0)["requests"]
+    assert after["offered"] == before["offered"] + 3  # first, the refused try, the retry
+    assert after["terminal"]["rejected"] == before["terminal"]["rejected"] + 1
+
+
+def test_retention_limit_is_429_and_queue_is_fifo(queue_stack):
+    futures = [background(queue_stack, {"max_tokens": 80, "seed": 1})]  # ~0.8 s
+    wait_for(queue_stack, lambda s: s["engines"][0]["in_flight"] == 1)
+    for i in (2, 3):
+        futures.append(background(queue_stack, {"max_tokens": 3, "seed": i}))
+        wait_for(queue_stack, lambda s, n=i - 1: s["requests"]["queued"] == n)
+    resp = post(queue_stack, {"max_tokens": 2})
+    assert envelope(resp, 429)["code"] == "retention_full"
+    assert resp.headers["retry-after"] == "1"
+    done_order = [f.result() for f in concurrent.futures.as_completed(futures)]
+    ids = [r.json()["id"] for r in done_order]
+    expected = [f.result().json()["id"] for f in futures]
+    assert ids == expected  # completed in arrival order: FIFO, one at a time
+
+
+def test_client_leaving_the_queue_frees_its_place(queue_stack):
+    first = background(queue_stack, {"max_tokens": 60})
+    wait_for(queue_stack, lambda s: s["engines"][0]["in_flight"] == 1)
+    with pytest.raises(httpx.ReadTimeout):
+        post(queue_stack, {"max_tokens": 2}, timeout=0.3)  # queued, then the client leaves
+    st = wait_for(queue_stack, lambda s: s["requests"]["queued"] == 0)
+    assert st["engines"][0]["in_flight"] == 1  # the first request is still running
+    assert first.result().status_code == 200
+
+
+def test_slots_released_on_end_error_and_disconnect(queue_stack):
+    assert post(queue_stack, {"max_tokens": 2}).status_code == 200
+    with httpx.stream("POST", f"{queue_stack.url}{CHAT}", timeout=30,
+                      json={"model": MODEL, "messages": MSGS, "max_tokens": 8, "stream": True},
+                      headers={"x-sim-fault": "error-event"}) as resp:
+        assert b"error" in resp.read()
+    with httpx.stream("POST", f"{queue_stack.url}{CHAT}", timeout=30,
+                      json={"model": MODEL, "messages": MSGS, "max_tokens": 80,
+                            "stream": True}) as resp:
+        next(resp.iter_lines())
+    st = wait_for(queue_stack, lambda s: s["requests"]["in_flight"] == 0)
+    eng = st["engines"][0]
+    assert (eng["prefill"], eng["decode"], st["requests"]["held"]) == (0, 0, 0)
+    assert post(queue_stack, {"max_tokens": 2}).status_code == 200  # the slot is usable
+
+
+def test_admission_wait_expiry_is_504(short_wait):
+    first = background(short_wait, {"max_tokens": 50})  # ~1 s
+    wait_for(short_wait, lambda s: s["engines"][0]["in_flight"] == 1)
+    before = status(short_wait)["requests"]["terminal"]["expired"]
+    err = envelope(post(short_wait, {"max_tokens": 2}), 504)
+    assert "Terminal expiry" in err["message"] and "admission wait" in err["message"]
+    assert status(short_wait)["requests"]["terminal"]["expired"] == before + 1
+    assert first.result().status_code == 200
+
+
+def test_request_deadline_while_queued_is_504(short_wait):
+    first = background(short_wait, {"max_tokens": 50})
+    wait_for(short_wait, lambda s: s["engines"][0]["in_flight"] == 1)
+    err = envelope(post(short_wait, {"max_tokens": 2}, {"x-request-timeout-ms": "100"}), 504)
+    assert "Terminal expiry" in err["message"] and "deadline" in err["message"]
+    first.result()
+
+
+def test_request_deadline_after_dispatch_before_headers_is_504(short_wait):
+    wait_for(short_wait, lambda s: s["requests"]["in_flight"] == 0)
+    err = envelope(post(short_wait, {"max_tokens": 50}, {"x-request-timeout-ms": "300"}), 504)
+    assert "deadline" in err["message"]
+    st = wait_for(short_wait, lambda s: s["requests"]["in_flight"] == 0)
+    assert st["engines"][0]["in_flight"] == 0
+
+
+def test_bad_deadline_header_is_400(short_wait):
+    assert envelope(post(short_wait, {}, {"x-request-timeout-ms": "soon"}), 400)["param"] == (
+        "x-request-timeout-ms")
+    assert envelope(post(short_wait, {}, {"x-slo-ttft-ms": "-1"}), 400)["param"] == "x-slo-ttft-ms"
+
+
+# -- predictive admission -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def predictive():
+    yield from _stack(
+        [SimSpec("prefill", args=["--prefill-tps", "2000", "--tpot-ms", "5"])],
+        {"admission": {"mode": "predictive", "ttft_target_ms": 1000},
+         "scheduler": {"max_prefill_per_engine": 8}},
+        engine_seed={"prefill_tps": 2000.0},
+    )
+
+
+def prompt(tokens: int) -> list[dict]:
+    return [{"role": "user", "content": "abcd" * tokens}]  # the simulator: 4 bytes a token
+
+
+def test_prompt_alone_over_budget_is_429_without_retry_after(predictive):
+    resp = post(predictive, {"messages": prompt(2500), "max_tokens": 2})  # 1.25 s > 1 s
+    err = envelope(resp, 429)
+    assert "shorten the prompt or raise the target" in err["message"]
+    assert "retry-after" not in resp.headers
+    assert status(predictive)["requests"]["terminal"]["refused"] >= 1
+
+
+def test_slo_header_raises_the_budget(predictive):
+    resp = post(predictive, {"messages": prompt(2500), "max_tokens": 2}, {"x-slo-ttft-ms": "4000"})
+    assert resp.status_code == 200, resp.text
+    assert int(resp.headers["x-narwhal-predicted-ttft-ms"]) >= 1250
+
+
+def test_projected_over_budget_is_429_with_rounded_overrun(predictive):
+    wait_for(predictive, lambda s: s["requests"]["in_flight"] == 0)
+    generous = {"x-slo-ttft-ms": "10000"}
+    ahead = [background(predictive, {"messages": prompt(1900), "max_tokens": 2}, generous)
+             for _ in range(3)]
+    wait_for(predictive, lambda s: s["engines"][0]["prefill"] == 3)
+    resp = post(predictive, {"messages": prompt(1900), "max_tokens": 2})  # alone: 0.95 s
+    err = envelope(resp, 429)
+    overrun_ms = int(err["message"].split(" by ")[1].split(" ms")[0])
+    assert overrun_ms > 1500  # ~2.8 s of prefill ahead
+    assert resp.headers["retry-after"] == str(max(1, round(overrun_ms / 1000)))
+    assert all(f.result().status_code == 200 for f in ahead)
+
+
+def test_predictions_track_measurements(predictive):
+    wait_for(predictive, lambda s: s["requests"]["in_flight"] == 0)
+    for tokens in (400, 800, 1200, 600):
+        resp = post(predictive, {"messages": prompt(tokens), "max_tokens": 2})
+        assert resp.status_code == 200
+    err = status(predictive)["prediction_error"]
+    assert err["samples"] >= 4 and err["p50"] < 0.2
+
+
+# -- router states and eligibility ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair():
+    yield from _stack([SimSpec("e1"), SimSpec("e2")], {"telemetry": {"stale_after_ms": 1000}})
+
+
+def admin(stack: Stack, method: str, path: str, body: dict | None = None) -> httpx.Response:
+    return httpx.request(method, f"{stack.admin_url}{path}", json=body, timeout=5)
+
+
+def test_maintenance_moves_placement_and_whole_wave_refuses(pair):
+    assert admin(pair, "POST", "/admin/maintenance", {"engines": ["e1"]}).status_code == 200
+    before = {e["name"]: e["dispatched"] for e in status(pair)["engines"]}
+    for _ in range(4):
+        assert post(pair, {"max_tokens": 1}).status_code == 200
+    after = {e["name"]: e["dispatched"] for e in status(pair)["engines"]}
+    assert after["e1"] == before["e1"] and after["e2"] == before["e2"] + 4
+    admin(pair, "POST", "/admin/maintenance", {"all": True})
+    resp = post(pair, {"max_tokens": 1})
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    ready = httpx.get(f"{pair.admin_url}/ready", timeout=5)
+    assert ready.status_code == 503 and ready.json()["reason"] == "maintenance"
+    admin(pair, "DELETE", "/admin/maintenance", {"all": True})
+    assert post(pair, {"max_tokens": 1}).status_code == 200
+
+
+def test_unknown_engine_in_admin_call_is_400(pair):
+    assert admin(pair, "POST", "/admin/maintenance", {"engines": ["zz"]}).status_code == 400
+
+
+def test_fenced_router_refuses(pair):
+    admin(pair, "POST", "/admin/fence")
+    resp = post(pair, {"max_tokens": 1})
+    assert envelope(resp, 503)["code"] == "fenced" and resp.headers["retry-after"] == "1"
+    assert httpx.get(f"{pair.admin_url}/ready", timeout=5).json()["reason"] == "fenced"
+    admin(pair, "DELETE", "/admin/fence")
+    assert post(pair, {"max_tokens": 1}).status_code == 200
+
+
+def test_zero_eligible_then_monitoring_degraded(pair):
+    admin(pair, "POST", "/admin/maintenance", {"engines": ["e1"]})
+    e2 = pair.proc("e2").popen
+    os.kill(e2.pid, signal.SIGKILL)
+    e2.wait()
+    wait_for(pair, lambda s: not s["engines"][1]["telemetry_fresh"])
+    resp = post(pair, {"max_tokens": 1})
+    err = envelope(resp, 503)
+    assert err["code"] == "backend_unavailable" and resp.headers["retry-after"] == "1"
+    assert status(pair)["requests"]["terminal"]["unavailable"] >= 1
+    e1 = pair.proc("e1").popen
+    os.kill(e1.pid, signal.SIGKILL)
+    e1.wait()
+    wait_for(pair, lambda s: s["reason"] == "monitoring-degraded")
+    resp = post(pair, {"max_tokens": 1})
+    assert envelope(resp, 503)["code"] == "monitoring_degraded"
+    assert resp.headers["retry-after"] == "1"
+
+
+def test_standby_router_refuses_and_reports_it():
+    stack = Stack(sims=[SimSpec("s")], config={"router": {"role": "standby"}}, model=MODEL)
+    stack.start()
+    try:
+        resp = post(stack, {"max_tokens": 1})
+        assert envelope(resp, 503)["code"] == "standby" and resp.headers["retry-after"] == "1"
+        ready = httpx.get(f"{stack.admin_url}/ready", timeout=5)
+        assert ready.status_code == 503 and ready.json() == {"ready": False, "reason": "standby"}
+    finally:
+        stack.stop()
+
+
+def test_open_mode_never_refuses_predictively():
+    stack = Stack(sims=[SimSpec("o", args=["--prefill-tps", "2000"])], model=MODEL,
+                  config={"admission": {"mode": "open", "ttft_target_ms": 100}})
+    stack.start()
+    try:
+        resp = client_for(stack).chat.completions.with_raw_response.create(
+            model=MODEL, messages=prompt(800), max_tokens=1)  # 0.4 s > 0.1 s budget
+        assert resp.http_response.status_code == 200
+    finally:
+        stack.stop()
