@@ -1,0 +1,245 @@
+"""Admission, placement and the performance model, on a fake clock."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from narwhal.config import parse
+from narwhal.core.engines import PerfModel
+from narwhal.core.exchange import Body, Exchange, Headers, Immediate
+from narwhal.core.router import Router
+from narwhal.core.scheduler import Dispatch, Queued, Refuse, Ticket
+from narwhal.core.sizing import Sizer
+from narwhal.server.telemetry import parse_vllm_metrics
+
+HDRS = {":path": "/v1/chat/completions", ":method": "POST"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class ManualTimers:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.pending: list[list] = []
+
+    def call_later(self, delay, callback):
+        entry = [self.clock.t + delay, callback, False]
+        self.pending.append(entry)
+
+        class Handle:
+            def cancel(self_inner) -> None:
+                entry[2] = True
+        return Handle()
+
+    def advance(self, dt: float) -> None:
+        self.clock.t += dt
+        due = [e for e in self.pending if not e[2] and e[0] <= self.clock.t]
+        self.pending = [e for e in self.pending if e not in due]
+        for e in due:
+            e[1]()
+
+
+def make_router(**sections) -> tuple[Router, Clock, ManualTimers]:
+    clock = Clock()
+    timers = ManualTimers(clock)
+    cfg = {"engines": [{"name": "fast", "url": "http://127.0.0.1:1", "prefill_tps": 4000},
+                       {"name": "slow", "url": "http://127.0.0.1:2", "prefill_tps": 1000}]}
+    cfg.update(sections)
+    router = Router(parse(cfg), clock=clock, timers=timers)
+    for e in router.engines:
+        e.healthy = e.checked = True
+        e.telemetry_at = clock.t
+    return router, clock, timers
+
+
+def body(tokens: int, **extra) -> bytes:
+    return orjson.dumps({"messages": [{"role": "user", "content": "abcd" * tokens}]} | extra)
+
+
+def start(router: Router, tokens: int, headers: dict | None = None) -> tuple[Exchange, list]:
+    ex = Exchange(router)
+    sent: list = []
+    ex.sink = sent.extend
+    out = ex.request_headers(HDRS | (headers or {}), False)
+    if out:
+        return ex, out
+    return ex, ex.request_body(body(tokens), True) or sent
+
+
+def ticket(router: Router, tokens: int, budget_s: float = 2.0) -> Ticket:
+    now = router.clock()
+    return Ticket(object(), tokens, now, budget_s, now + 600)
+
+
+def test_places_on_lowest_projected_ttft_then_by_decode_load():
+    router, clock, _ = make_router()
+    fast, slow = router.engines
+    d = router.scheduler.admit(ticket(router, 1000), clock.t)
+    assert isinstance(d, Dispatch) and d.engine is fast
+    # fast now has 0.25 s of backlog; 0.25 + 0.25 < 1.0 on slow: fast again
+    assert router.scheduler.admit(ticket(router, 1000), clock.t).engine is fast
+
+
+def test_ties_broken_by_decode_load():
+    router, clock, _ = make_router(engines=[
+        {"name": "a", "url": "http://127.0.0.1:1"}, {"name": "b", "url": "http://127.0.0.1:2"}])
+    for e in router.engines:
+        e.healthy = e.checked = True
+        e.telemetry_at = clock.t
+    router.engines[0].decode = 3
+    assert router.scheduler.admit(ticket(router, 10), clock.t).engine.name == "b"
+
+
+def test_prompt_alone_over_budget():
+    router, clock, _ = make_router()
+    d = router.scheduler.admit(ticket(router, 9000, budget_s=2.0), clock.t)  # 2.25 s on fast
+    assert isinstance(d, Refuse) and d.error.status == 429 and d.error.retry_after is None
+    assert d.error.terminal == "refused" and "shorten the prompt" in d.error.message
+
+
+def test_projected_over_budget_rounds_the_overrun():
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 100})
+    for _ in range(8):  # 8 x 1000 tokens, 0.25 s each on fast (slow would be worse)
+        d = router.scheduler.admit(ticket(router, 1000, budget_s=60), clock.t)
+        assert d.engine.name == "fast"
+    # fast: 2.0 s backlog + 0.75 s own + 5 ms overhead = 2.755 s; budget 0.8 s: overrun 1.955 s
+    d = router.scheduler.admit(ticket(router, 3000, budget_s=0.8), clock.t)
+    assert isinstance(d, Refuse) and d.error.retry_after == 2 and d.error.code == (
+        "ttft_budget_exceeded")
+    # 2.255 s against 2.0 s: overrun 0.255 s rounds to 0, and Retry-After is at least 1
+    d = router.scheduler.admit(ticket(router, 1000, budget_s=2.0), clock.t)
+    assert isinstance(d, Refuse) and d.error.retry_after == 1
+
+
+def test_open_mode_skips_prediction():
+    router, clock, _ = make_router(admission={"mode": "open"})
+    assert isinstance(router.scheduler.admit(ticket(router, 90000, 0.001), clock.t), Dispatch)
+
+
+def test_phase_slots_queue_and_fifo_pump():
+    router, clock, _ = make_router(admission={"mode": "open", "queue_limit": 2},
+                                   scheduler={"max_prefill_per_engine": 1,
+                                              "max_decode_per_engine": 1})
+    s = router.scheduler
+    t1, t2, t3, t4, t5 = (ticket(router, 10) for _ in range(5))
+    assert isinstance(s.admit(t1, clock.t), Dispatch) and isinstance(s.admit(t2, clock.t), Dispatch)
+    assert isinstance(s.admit(t3, clock.t), Queued) and isinstance(s.admit(t4, clock.t), Queued)
+    full = s.admit(t5, clock.t)
+    assert isinstance(full, Refuse) and full.error.code == "queue_full"
+    assert full.error.terminal == "rejected" and full.error.retry_after == 1
+    s.first_token(t1, clock.t)  # prefill -> decode: still no slot (decode limit 1)
+    assert s.pump(clock.t) == []
+    s.release(t1)
+    assert s.pump(clock.t) == [t3]  # FIFO
+    s.release(t2)
+    assert s.pump(clock.t) == [t4]
+
+
+def test_no_serviceable_engine_is_503():
+    router, clock, _ = make_router()
+    for e in router.engines:
+        e.maintenance = True
+    d = router.scheduler.admit(ticket(router, 10), clock.t)
+    assert isinstance(d, Refuse) and d.error.code == "backend_unavailable"
+    assert router.not_ready_reason() == "maintenance"
+
+
+def test_stale_telemetry_makes_engines_ineligible_and_router_degraded():
+    router, clock, _ = make_router()
+    router.engines[0].telemetry_at = clock.t - 60
+    assert [e.name for e in router.scheduler.serviceable(clock.t)] == ["slow"]
+    router.engines[1].telemetry_at = clock.t - 60
+    assert router.not_ready_reason() == "monitoring-degraded"
+
+
+def test_retention_limit():
+    router, clock, _ = make_router(admission={"retention_limit": 1})
+    ex1, out1 = start(router, 10)
+    assert isinstance(out1[0], Headers)
+    _, out2 = start(router, 10)
+    assert isinstance(out2[0], Immediate) and out2[0].error.code == "retention_full"
+    ex1.close()
+    _, out3 = start(router, 10)
+    assert isinstance(out3[0], Headers)
+
+
+def test_queued_exchange_dispatches_through_its_sink_when_a_slot_frees():
+    router, clock, timers = make_router(admission={"mode": "open"},
+                                        scheduler={"max_prefill_per_engine": 1,
+                                                   "max_decode_per_engine": 1})
+    ex1, _ = start(router, 10)
+    ex2, _ = start(router, 10)
+    ex3, out3 = start(router, 10)
+    assert out3 == []  # queued
+    ex1.close()  # slot freed: ex3 goes upstream through its sink
+    assert [type(a) for a in out3] == [Headers, Body]
+    assert router.accounting.terminal["cancelled"] == 1
+
+
+def test_admission_wait_and_deadline_expire_with_504():
+    router, clock, timers = make_router(admission={"mode": "open", "max_wait_ms": 500},
+                                        scheduler={"max_prefill_per_engine": 1,
+                                                   "max_decode_per_engine": 1})
+    start(router, 10)
+    start(router, 10)
+    _, waiting = start(router, 10)
+    _, short = start(router, 10, {"x-request-timeout-ms": "200"})
+    timers.advance(0.2)
+    assert short[0].error.status == 504 and "deadline" in short[0].error.message
+    assert waiting == []
+    timers.advance(0.3)
+    assert waiting[0].error.status == 504 and "admission wait" in waiting[0].error.message
+    assert router.accounting.terminal["expired"] == 2 and not router.scheduler.queue
+
+
+def test_deadline_after_dispatch_before_response_headers():
+    router, clock, timers = make_router()
+    ex, out = start(router, 10, {"x-request-timeout-ms": "300"})
+    assert isinstance(out[0], Headers)
+    sent: list = []
+    ex.sink = sent.extend
+    timers.advance(0.3)
+    assert sent[0].error.status == 504
+    assert router.engines[0].in_flight == 0 and router.held == 0
+
+
+def test_client_deadline_cannot_exceed_the_configured_one():
+    router, clock, timers = make_router(admission={"request_timeout_ms": 1000})
+    ex, _ = start(router, 10, {"x-request-timeout-ms": "999999"})
+    assert ex.deadline == pytest.approx(clock.t + 1.0)
+
+
+def test_model_corrects_rate_and_backlog():
+    m = PerfModel(prefill_tps=1000, tpot_ms=20, overhead_ms=0)
+    predicted = m.dispatch(0.0, 1000)
+    assert predicted == pytest.approx(1.0)
+    m.first_token(2.0, predicted, 2.0, 1000, still_prefilling=False)  # engine is 2x slower
+    assert m.prefill_tps < 1000 and m.busy_until == 2.0
+    for _ in range(20):
+        m.first_token(0.0, 0.0, 2.0, 1000, still_prefilling=False)
+    assert m.prefill_tps == pytest.approx(500, rel=0.01)
+
+
+def test_sizer_learns_the_engine_ratio():
+    s = Sizer(4.0)
+    assert s.estimate(400) == 100
+    for _ in range(60):
+        s.learn(300, 100)  # 3 bytes per token
+    assert s.bytes_per_token == pytest.approx(3.0, abs=0.01)
+    s.learn(300, True)  # not trusted
+    s.learn(300, -5)
+    assert s.samples == 60
+
+
+def test_parse_vllm_metrics():
+    text = ('# HELP x\nvllm:num_requests_running{model_name="m"} 3.0\n'
+            'vllm:num_requests_waiting{model_name="m"} 2\nvllm:kv_cache_usage_perc 0.5\n'
+            'vllm:other 9\nvllm:num_requests_running{model_name="n"} 1\nbad line\n')
+    assert parse_vllm_metrics(text) == {"running": 4.0, "waiting": 2.0, "kv_cache_usage": 0.5}
