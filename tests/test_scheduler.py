@@ -106,7 +106,8 @@ def test_prompt_alone_over_budget():
 
 def test_projected_over_budget_rounds_the_overrun():
     router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 100})
-    for _ in range(8):  # 8 x 1000 tokens, 0.25 s each on fast (slow would be worse)
+    router.engines[1].model.prefill_tps = 100  # slow: 10 s for 1000 tokens, never chosen
+    for _ in range(8):  # 8 x 1000 tokens, 0.25 s each on fast
         d = router.scheduler.admit(ticket(router, 1000, budget_s=60), clock.t)
         assert d.engine.name == "fast"
     # fast: 2.0 s backlog + 0.75 s own + 5 ms overhead = 2.755 s; budget 0.8 s: overrun 1.955 s
