@@ -81,7 +81,6 @@ class Telemetry:
 @dataclass(frozen=True, slots=True)
 class Sizing:
     bytes_per_token: float = 4.0
-    tokenizer: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,10 +153,6 @@ def _check(hint: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: must not be negative, got {value}")
         return float(value)
     if hint is str:
-        if key == "sizing.tokenizer":
-            if not isinstance(value, str):
-                raise ConfigError(f"{key}: expected a file path, got {value!r}")
-            return value
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
         allowed = CHOICES.get(generic_key)

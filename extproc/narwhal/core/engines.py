@@ -41,14 +41,16 @@ class PerfModel:
         return self.busy_until + self.overhead_ms / 1000
 
     def first_token(self, now: float, predicted_at: float, service_s: float,
-                    tokens: int, still_prefilling: bool) -> None:
+                    tokens: int, still_prefilling: bool, serialized: bool = False) -> None:
         """Correct the model from one measured first token."""
         if still_prefilling:
             self.busy_until = max(now, self.busy_until + (now - predicted_at))
         else:
             self.busy_until = now
         if tokens >= 16:  # tiny prompts measure overhead, not rate
-            work = service_s - self.overhead_ms / 1000
+            # Behind another prefill, the gap between first tokens is pure prefill work;
+            # from idle it also holds the fixed overhead.
+            work = service_s - (0.0 if serialized else self.overhead_ms / 1000)
             if work > 1e-4:
                 rate = tokens / work
                 self.prefill_tps += EWMA * (rate - self.prefill_tps)

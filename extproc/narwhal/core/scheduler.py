@@ -18,6 +18,9 @@ from .engines import EngineState
 from .errors import HttpError
 
 ERROR_WINDOW = 2048  # prediction errors kept for /status
+CALIBRATION_WINDOW = 256  # measured/predicted ratios behind the admission margin
+CALIBRATION_QUANTILE = 0.95
+CALIBRATION_MAX = 2.0
 
 
 @dataclass(slots=True)
@@ -86,6 +89,12 @@ class Scheduler:
         self.queue: deque[Ticket] = deque()
         self.queued_tokens = 0
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        self.ratios: deque[float] = deque(maxlen=CALIBRATION_WINDOW)
+        # Admission compares the budget with projection x calibration: the p95 of recent
+        # measured/predicted ratios (at least 1), so that requests admitted close to the
+        # budget still meet it when the model is slightly optimistic.
+        self.calibration = 1.0
+        self._samples = 0
         self.stale_after_s = config.telemetry.stale_after_ms / 1000
 
     # -- eligibility ---------------------------------------------------------------
@@ -112,8 +121,8 @@ class Scheduler:
             alone = min(e.model.prefill_s(t.tokens) + e.model.overhead_ms / 1000 for e in engines)
             if alone > t.budget_s:
                 return Refuse(prompt_too_long(alone, t.budget_s))
-            if projected > t.budget_s:
-                return Refuse(projected_over_budget(projected, t.budget_s))
+            if projected * self.calibration > t.budget_s:
+                return Refuse(projected_over_budget(projected * self.calibration, t.budget_s))
         if not self.queue:
             engine = self._place(t, now, engines)
             if engine is not None:
@@ -175,13 +184,22 @@ class Scheduler:
         e.decode += 1
         # FIFO prefill: this request's own service began when the engine finished the
         # previous first token, or at dispatch if the engine was idle then.
+        serialized = e.last_first_token > t.dispatched_at
         service = now - max(t.dispatched_at, e.last_first_token)
         e.last_first_token = now
-        e.model.first_token(now, t.predicted_first, service, t.tokens, e.prefill > 0)
+        e.model.first_token(now, t.predicted_first, service, t.tokens, e.prefill > 0,
+                            serialized)
         if t.predicted_ttft_s is not None:
             measured = now - t.arrival
             if measured > 0:
                 self.errors.append(abs(t.predicted_ttft_s - measured) / measured)
+            if t.predicted_ttft_s > 0.01:
+                self.ratios.append(measured / t.predicted_ttft_s)
+                self._samples += 1
+                if self._samples % 8 == 0:  # re-derive now and then, not per token
+                    xs = sorted(self.ratios)
+                    q = xs[min(len(xs) - 1, int(CALIBRATION_QUANTILE * len(xs)))]
+                    self.calibration = min(CALIBRATION_MAX, max(1.0, q))
 
     def release(self, t: Ticket) -> None:
         if t.done:

@@ -50,6 +50,7 @@ def admin_app(router: Router) -> web.Application:
             "sizing": {"bytes_per_token": round(router.sizer.bytes_per_token, 3),
                        "samples": router.sizer.samples},
             "prediction_error": router.scheduler.error_quantiles(),
+            "admission_calibration": round(router.scheduler.calibration, 4),
             "engines": [{"name": e.name, "url": e.config.url, "endpoint": e.endpoint,
                          "dialect": e.config.dialect, "healthy": e.healthy,
                          "telemetry_fresh": e.fresh(now, stale), "maintenance": e.maintenance,
