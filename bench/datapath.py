@@ -32,6 +32,9 @@ import yaml
 from narwhal.launch import REPO_ROOT, SimSpec, Stack, envoy_binary, free_port, wait_http
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# Phase slots wide enough that every client's request is in flight at once, as it is
+# through Envoy alone: this benchmark measures the data path, not admission queueing.
+SLOTS = {"max_prefill_per_engine": 128, "max_decode_per_engine": 256}
 MODEL = "narwhal-sim"
 
 
@@ -75,7 +78,7 @@ def direct_envoy(workdir: Path, engine_port: int) -> tuple[subprocess.Popen, int
 
 def short_requests(args: argparse.Namespace, workdir: Path, transport: str) -> list[str]:
     stack = Stack(sims=[SimSpec("instant")], model=MODEL,
-                  config={"serving": {"transport": transport}}).start()
+                  config={"serving": {"transport": transport}, "scheduler": SLOTS}).start()
     envoy, direct_port = direct_envoy(workdir, stack.sims[0].port)
     narwhal_pid = stack.proc("narwhal").popen.pid
     rows = []
@@ -109,7 +112,8 @@ def short_requests(args: argparse.Namespace, workdir: Path, transport: str) -> l
 def paced_streams(args: argparse.Namespace, workdir: Path, transport: str) -> list[str]:
     tokens = 64
     stack = Stack(sims=[SimSpec("paced", args=["--tpot-ms", "5", "--max-num-seqs", "1024"])],
-                  model=MODEL, config={"serving": {"transport": transport}}).start()
+                  model=MODEL,
+                  config={"serving": {"transport": transport}, "scheduler": SLOTS}).start()
     narwhal_pid = stack.proc("narwhal").popen.pid
     body = {"model": MODEL, "max_tokens": tokens, "stream": True,
             "messages": [{"role": "user", "content": "hello there"}]}

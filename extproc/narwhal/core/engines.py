@@ -10,7 +10,7 @@ correct both the busy-until clock (drift) and the rate (EWMA).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..config import EngineConfig
 
@@ -78,7 +78,10 @@ class EngineState:
     output_tokens: int = 0
     measurement_failures: int = 0
     dispatched: int = 0
-    errors: list[float] = field(default_factory=list)  # recent |predicted - measured| / measured
+    endpoint: str = ""  # ``ip:port`` for Envoy, computed once
+
+    def __post_init__(self) -> None:
+        self.endpoint = self.config.endpoint
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineState:
@@ -87,10 +90,6 @@ class EngineState:
     @property
     def name(self) -> str:
         return self.config.name
-
-    @property
-    def endpoint(self) -> str:
-        return self.config.endpoint
 
     @property
     def token_ids(self) -> bool:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-GENERATED_DELTA_KEYS = ("content", "reasoning", "reasoning_content", "refusal", "tool_calls",
-                        "function_call")
+GENERATED_DELTA_KEYS = frozenset({"content", "reasoning", "reasoning_content", "refusal",
+                                  "tool_calls", "function_call"})
 
 
 class TokenIdError(ValueError):
@@ -21,9 +21,13 @@ def carries_generation(choice: dict[str, Any], chat: bool) -> bool:
     if not chat:
         return bool(choice.get("text"))
     delta = choice.get("delta")
-    if not isinstance(delta, dict):
+    if delta.__class__ is not dict:
         return False
-    return any(delta.get(k) for k in GENERATED_DELTA_KEYS)
+    # Deltas hold one or two keys: scan them, not the set; a plain loop, no generator.
+    for key, value in delta.items():  # noqa: SIM110
+        if value and key in GENERATED_DELTA_KEYS:
+            return True
+    return False
 
 
 def count_token_ids(choice: dict[str, Any]) -> int:

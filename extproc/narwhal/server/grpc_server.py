@@ -104,6 +104,7 @@ class GrpcConnection(asyncio.Protocol):
         self.http2 = http2.ServerConnection()
         self.streams: dict[int, Stream] = {}
         self.blocked: set[int] = set()
+        self.flush_scheduled = False
 
     # -- asyncio.Protocol --------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -218,5 +219,12 @@ class GrpcConnection(asyncio.Protocol):
             self.transport.write(data)
 
     def write_soon(self) -> None:
-        """For calls that send outside data_received (health Watch updates)."""
+        """For sends outside data_received (queue dispatch, expiry, health Watch): one
+        write per loop iteration however many streams sent, instead of one each."""
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self.flush_scheduled = False
         self._write()
