@@ -244,3 +244,37 @@ def test_parse_vllm_metrics():
             'vllm:num_requests_waiting{model_name="m"} 2\nvllm:kv_cache_usage_perc 0.5\n'
             'vllm:other 9\nvllm:num_requests_running{model_name="n"} 1\nbad line\n')
     assert parse_vllm_metrics(text) == {"running": 4.0, "waiting": 2.0, "kv_cache_usage": 0.5}
+
+
+def test_tokenizer_file_sizes_prompts(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from narwhal.core.request import parse_request
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["narwhal tusk ocean"], trainers.WordLevelTrainer(
+        special_tokens=["[UNK]"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    sizer = Sizer(4.0, str(path))
+    req = parse_request("/v1/chat/completions", orjson.dumps(
+        {"messages": [{"role": "user", "content": "narwhal tusk"},
+                      {"role": "user", "content": [{"type": "text", "text": "ocean deep"}]}]}),
+        "m")
+    assert sizer.estimate(req.prompt_bytes, req.prompt_text()) == 4  # words, not bytes / 4
+    router, clock, _ = make_router(sizing={"tokenizer": str(path)})
+    ex, _ = start(router, 0)
+    assert ex.ticket.tokens == 1  # "abcd" * 0 -> empty text -> at least one token
+
+
+def test_tokenizer_config_errors(tmp_path):
+    from narwhal.config import ConfigError
+    from narwhal.core.sizing import SizingError
+
+    with pytest.raises(ConfigError, match="no such file"):
+        parse({"sizing": {"tokenizer": str(tmp_path / "missing.json")}})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(SizingError, match="cannot load"):
+        Sizer(4.0, str(bad))

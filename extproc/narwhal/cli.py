@@ -7,6 +7,7 @@ import logging
 import sys
 
 from .config import Config, ConfigError, load
+from .core.sizing import SizingError
 
 
 def _config(path: str | None) -> Config:
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             return run_demo(args.config, args.port, args.engines)
-    except ConfigError as exc:
+    except (ConfigError, SizingError) as exc:
         print(f"narwhal: configuration error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

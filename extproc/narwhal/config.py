@@ -81,6 +81,7 @@ class Telemetry:
 @dataclass(frozen=True, slots=True)
 class Sizing:
     bytes_per_token: float = 4.0
+    tokenizer: str = ""  # a tokenizer.json (Hugging Face `tokenizers`); empty: learn bytes/token
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +154,12 @@ def _check(hint: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: must not be negative, got {value}")
         return float(value)
     if hint is str:
+        if key == "sizing.tokenizer":
+            if not isinstance(value, str):
+                raise ConfigError(f"{key}: expected a file path, got {value!r}")
+            if value and not Path(value).is_file():
+                raise ConfigError(f"{key}: no such file: {value}")
+            return value
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
         allowed = CHOICES.get(generic_key)

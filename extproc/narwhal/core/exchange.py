@@ -184,8 +184,10 @@ class Exchange:
         self.request = req
         self.sized = True
         now = self.router.clock()
-        self.ticket = Ticket(self, self.router.sizer.estimate(req.prompt_bytes), self.arrival,
-                             self.budget_s, self.deadline)
+        sizer = self.router.sizer
+        tokens = (sizer.estimate(req.prompt_bytes, req.prompt_text())
+                  if sizer.tokenizer is not None else sizer.estimate(req.prompt_bytes))
+        self.ticket = Ticket(self, tokens, self.arrival, self.budget_s, self.deadline)
         decision = self.router.scheduler.admit(self.ticket, now)
         if isinstance(decision, Refuse):
             return self._refuse(decision.error)

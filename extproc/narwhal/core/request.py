@@ -31,6 +31,22 @@ class CompletionRequest:
     prompt_bytes: int
     max_tokens: int | None
 
+    def prompt_text(self) -> str:
+        """The prompt's text parts, for a tokenizer (token-ID prompts have none)."""
+        if self.chat:
+            parts: list[str] = []
+            for m in self.body["messages"]:
+                content = m.get("content")
+                if isinstance(content, str):
+                    parts.append(content)
+                elif isinstance(content, list):
+                    parts.extend(p["text"] for p in content if isinstance(p.get("text"), str))
+            return "\n".join(parts)
+        prompt = self.body["prompt"]
+        if isinstance(prompt, str):
+            return prompt
+        return prompt[0] if prompt and isinstance(prompt[0], str) else ""
+
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)

@@ -40,7 +40,7 @@ class Router:
         self.clock = clock
         self.timers: Timers = timers or NoTimers()
         self.scheduler = Scheduler(config)
-        self.sizer = Sizer(config.sizing.bytes_per_token)
+        self.sizer = Sizer(config.sizing.bytes_per_token, config.sizing.tokenizer)
         self.accounting = Accounting()
         self.held = 0  # requests inside the HTTP retention limit
         self.draining = False

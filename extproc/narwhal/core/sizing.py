@@ -1,8 +1,9 @@
-"""Workload sizing: prompt tokens from prompt bytes, with the ratio learned from engines.
+"""Workload sizing: how many prompt tokens a request will prefill.
 
-Engines report ``usage.prompt_tokens`` for every request; the byte/token ratio is an
-EWMA of what they report, so projections follow the model's real tokenizer without
-Narwhal loading one.
+By default from prompt bytes: engines report ``usage.prompt_tokens`` for every
+request, and the byte/token ratio is an EWMA of what they report, so projections
+follow the model's real tokenizer without Narwhal loading one. With
+``sizing.tokenizer`` set, the model's own tokenizer file counts the prompt text.
 """
 
 from __future__ import annotations
@@ -12,14 +13,21 @@ import math
 EWMA = 0.1
 
 
-class Sizer:
-    __slots__ = ("bytes_per_token", "samples")
+class SizingError(ValueError):
+    pass
 
-    def __init__(self, bytes_per_token: float) -> None:
+
+class Sizer:
+    __slots__ = ("bytes_per_token", "samples", "tokenizer")
+
+    def __init__(self, bytes_per_token: float, tokenizer_path: str = "") -> None:
         self.bytes_per_token = bytes_per_token
         self.samples = 0
+        self.tokenizer = _load_tokenizer(tokenizer_path) if tokenizer_path else None
 
-    def estimate(self, prompt_bytes: int) -> int:
+    def estimate(self, prompt_bytes: int, text: str | None = None) -> int:
+        if self.tokenizer is not None and text is not None:
+            return max(1, len(self.tokenizer.encode(text, add_special_tokens=False).ids))
         return max(1, math.ceil(prompt_bytes / self.bytes_per_token))
 
     def learn(self, prompt_bytes: int, prompt_tokens: object) -> None:
@@ -31,3 +39,15 @@ class Sizer:
         if 0.5 <= ratio <= 32:
             self.bytes_per_token += EWMA * (ratio - self.bytes_per_token)
             self.samples += 1
+
+
+def _load_tokenizer(path: str):  # returns a tokenizers.Tokenizer (an optional dependency)
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as exc:
+        raise SizingError("sizing.tokenizer needs the `tokenizers` package "
+                          "(pip install 'narwhal[tokenizer]')") from exc
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as exc:  # the library raises a bare Exception on bad files
+        raise SizingError(f"sizing.tokenizer: cannot load {path}: {exc}") from exc
