@@ -44,7 +44,10 @@ def test_defaults():
     ({"engines": [{"name": "a", "url": "http://h:1", "dialect": "tgi"}]}, "engines[0].dialect"),
     ({"engines": [{"name": "a", "url": "http://h:1"}, {"name": "a", "url": "http://h:2"}]},
      "duplicate engine name"),
-    ({"engines": {"name": "a"}}, "engines: expected a list"),
+    ({"engines": {"name": "a"}}, "engines.discovery: required"),
+    ({"engines": "x"}, "engines: expected a list"),
+    ({"engines": {"discovery": "consul", "name": "x"}}, "engines.discovery: must be one of dns"),
+    ({"engines": {"discovery": "dns", "name": "x", "port": 0}}, "engines.port: not a port"),
     ({"telemetry": {"admin_port": 70000}}, "not a port"),
     ({"admission": {"queue_limit": True}}, "expected an integer"),
     ([1], "top level"),
@@ -70,3 +73,15 @@ def test_example_file_shipped_is_valid():
     cfg = load(REPO_ROOT / "examples" / "narwhal.yaml")
     assert yaml.safe_load((REPO_ROOT / "examples" / "narwhal.yaml").read_text())
     assert len(cfg.engines) == 2
+
+
+def test_dns_discovery_form():
+    cfg = parse({"engines": {"discovery": "dns", "name": "vllm.ns.svc", "port": 8000}})
+    assert cfg.engines == () and cfg.discovery.name == "vllm.ns.svc"
+    assert cfg.discovery.interval_ms == 5000 and cfg.discovery.dialect == "vllm"
+
+
+def test_ipv6_endpoint_is_bracketed():
+    from narwhal.config import EngineConfig
+
+    assert EngineConfig("a", "http://[::1]:8000").endpoint == "[::1]:8000"

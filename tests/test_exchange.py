@@ -22,6 +22,7 @@ def router() -> Router:
     for e in r.engines:
         e.healthy = e.checked = True
         e.telemetry_at = r.clock()
+    r.started = True
     return r
 
 

@@ -53,6 +53,7 @@ def make_router(**sections) -> tuple[Router, Clock, ManualTimers]:
                        {"name": "slow", "url": "http://127.0.0.1:2", "prefill_tps": 1000}]}
     cfg.update(sections)
     router = Router(parse(cfg), clock=clock, timers=timers)
+    router.started = True
     for e in router.engines:
         e.healthy = e.checked = True
         e.telemetry_at = clock.t
@@ -278,3 +279,28 @@ def test_tokenizer_config_errors(tmp_path):
     bad.write_text("{}")
     with pytest.raises(SizingError, match="cannot load"):
         Sizer(4.0, str(bad))
+
+
+def test_discovery_reconcile_adds_retires_and_drains():
+    from narwhal.config import Discovery
+    from narwhal.server.discovery import engine_configs
+
+    router, clock, _ = make_router(engines=[])
+    d = Discovery("dns", "vllm.svc", port=8000)
+    s = router.scheduler
+    added, retired = s.reconcile(engine_configs(d, {"10.0.0.1", "10.0.0.2"}))
+    assert sorted(added) == ["vllm.svc/10.0.0.1", "vllm.svc/10.0.0.2"] and retired == []
+    for e in router.engines:
+        e.healthy = e.checked = True
+        e.telemetry_at = clock.t
+    t = ticket(router, 10)
+    busy = s.admit(t, clock.t).engine
+    gone = "10.0.0.1" if busy.endpoint.startswith("10.0.0.2") else "10.0.0.2"
+    keep = busy.endpoint.split(":")[0]
+    _, retired = s.reconcile(engine_configs(d, {gone, "fd00::5"}))
+    assert retired == [busy.name]
+    assert busy in router.engines and not busy.serviceable(clock.t, 60)  # draining
+    assert [e.endpoint for e in router.engines if e.name.endswith("fd00::5")] == ["[fd00::5]:8000"]
+    s.release(t)
+    assert busy not in router.engines  # dropped once drained
+    assert keep not in [e.endpoint.split(":")[0] for e in router.engines]

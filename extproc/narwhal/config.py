@@ -59,9 +59,24 @@ class EngineConfig:
 
     @property
     def endpoint(self) -> str:
-        """The ``ip:port`` Envoy's ORIGINAL_DST cluster connects to."""
+        """The ``ip:port`` Envoy's ORIGINAL_DST cluster connects to (``[v6]:port``)."""
         parts = urlsplit(self.url)
-        return f"{parts.hostname}:{parts.port or 80}"
+        host = parts.hostname or ""
+        return f"[{host}]:{parts.port or 80}" if ":" in host else f"{host}:{parts.port or 80}"
+
+
+@dataclass(frozen=True, slots=True)
+class Discovery:
+    """Engines found by resolving a (headless Service) DNS name, re-resolved on an interval."""
+
+    discovery: str
+    name: str
+    port: int = 8000
+    dialect: str = "vllm"
+    interval_ms: int = 5000
+    prefill_tps: float = 10000.0
+    tpot_ms: float = 20.0
+    overhead_ms: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +105,7 @@ class Config:
     admission: Admission = field(default_factory=Admission)
     scheduler: Scheduler = field(default_factory=Scheduler)
     engines: tuple[EngineConfig, ...] = ()
+    discovery: Discovery | None = None
     router: Router = field(default_factory=Router)
     telemetry: Telemetry = field(default_factory=Telemetry)
     sizing: Sizing = field(default_factory=Sizing)
@@ -100,6 +116,7 @@ CHOICES = {
     "serving.transport": ("asyncio", "grpcio"),
     "router.role": ("active", "standby"),
     "engines.dialect": ("vllm", "openai"),
+    "engines.discovery": ("dns",),
 }
 POSITIVE = {
     "serving.max_request_bytes", "serving.max_event_bytes", "serving.max_response_bytes",
@@ -107,9 +124,9 @@ POSITIVE = {
     "admission.request_timeout_ms", "scheduler.max_prefill_per_engine",
     "scheduler.max_decode_per_engine", "telemetry.health_interval_ms",
     "telemetry.health_timeout_ms", "telemetry.stale_after_ms", "engines.prefill_tps",
-    "engines.tpot_ms", "sizing.bytes_per_token",
+    "engines.tpot_ms", "sizing.bytes_per_token", "engines.interval_ms",
 }
-PORTS = {"serving.extproc_port", "telemetry.admin_port"}
+PORTS = {"serving.extproc_port", "telemetry.admin_port", "engines.port"}
 
 
 def _build(cls: type, data: Any, path: str) -> Any:
@@ -175,7 +192,7 @@ def _engines(data: Any) -> tuple[EngineConfig, ...]:
     if data is None:
         return ()
     if not isinstance(data, list):
-        raise ConfigError("engines: expected a list of engines")
+        raise ConfigError("engines: expected a list of engines, or {discovery: dns, name: ...}")
     engines = []
     for i, item in enumerate(data):
         eng = _build(EngineConfig, item, f"engines[{i}]")
@@ -197,11 +214,15 @@ def parse(data: Any) -> Config:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError("config: expected a mapping at the top level")
-    sections = {f.name for f in dataclasses.fields(Config)}
+    sections = {f.name for f in dataclasses.fields(Config)} - {"discovery"}
     unknown = sorted(set(data) - sections)
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown section (known: {', '.join(sorted(sections))})")
-    kwargs: dict[str, Any] = {"engines": _engines(data.get("engines"))}
+    engines = data.get("engines")
+    if isinstance(engines, dict):
+        kwargs: dict[str, Any] = {"discovery": _build(Discovery, engines, "engines")}
+    else:
+        kwargs = {"engines": _engines(engines)}
     hints = typing.get_type_hints(Config)
     for name in sections - {"engines"}:
         kwargs[name] = _build(hints[name], data.get(name), name)

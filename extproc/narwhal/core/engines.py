@@ -71,6 +71,7 @@ class EngineState:
     waiting: float = 0.0
     kv_cache_usage: float = 0.0
     maintenance: bool = False
+    retired: bool = False  # gone from discovery: drained, then dropped
     prefill: int = 0
     decode: int = 0
     last_first_token: float = 0.0
@@ -108,7 +109,8 @@ class EngineState:
 
     def serviceable(self, now: float, stale_after_s: float) -> bool:
         """Could take work at all: healthy, telemetry fresh, not in maintenance."""
-        return self.healthy and not self.maintenance and self.fresh(now, stale_after_s)
+        return (self.healthy and not self.maintenance and not self.retired
+                and self.fresh(now, stale_after_s))
 
     def has_slot(self, max_prefill: int, max_decode: int) -> bool:
         # A request in prefill will need a decode slot: book it now.

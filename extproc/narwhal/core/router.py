@@ -45,6 +45,7 @@ class Router:
         self.held = 0  # requests inside the HTTP retention limit
         self.draining = False
         self.fenced = False
+        self.started = False  # the first telemetry round has completed
         self.listeners: list[Callable[[], None]] = []
 
     @property
@@ -67,7 +68,7 @@ class Router:
             return "standby"
         if self.fenced:
             return "fenced"
-        if not all(e.checked for e in self.engines):
+        if not self.started:
             return "starting"
         if self.scheduler.all_in_maintenance():
             return "maintenance"

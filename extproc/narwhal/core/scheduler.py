@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import Config
+from ..config import Config, EngineConfig
 from . import errors
 from .engines import EngineState
 from .errors import HttpError
@@ -97,16 +97,41 @@ class Scheduler:
         self._samples = 0
         self.stale_after_s = config.telemetry.stale_after_ms / 1000
 
+    # -- membership (discovery) ------------------------------------------------------
+    def reconcile(self, wanted: dict[str, EngineConfig]) -> tuple[list[str], list[str]]:
+        """Make the pool match ``wanted`` (endpoint -> config): add the new, retire the
+        gone (no new work; dropped once their in-flight requests end). Returns the
+        names added and retired."""
+        have = {e.endpoint: e for e in self.engines}
+        added, retired = [], []
+        for endpoint, cfg in wanted.items():
+            e = have.get(endpoint)
+            if e is None:
+                self.engines.append(EngineState.from_config(cfg))
+                added.append(cfg.name)
+            elif e.retired:
+                e.retired = False  # came back before it drained
+        for endpoint, e in have.items():
+            if endpoint not in wanted and not e.retired:
+                e.retired = True
+                retired.append(e.name)
+        self.sweep()
+        return added, retired
+
+    def sweep(self) -> None:
+        self.engines[:] = [e for e in self.engines if not (e.retired and e.in_flight == 0)]
+
     # -- eligibility ---------------------------------------------------------------
     def serviceable(self, now: float) -> list[EngineState]:
         return [e for e in self.engines if e.serviceable(now, self.stale_after_s)]
 
     def all_stale(self, now: float) -> bool:
-        return bool(self.engines) and not any(e.fresh(now, self.stale_after_s)
-                                              for e in self.engines)
+        live = [e for e in self.engines if not e.retired]
+        return bool(live) and not any(e.fresh(now, self.stale_after_s) for e in live)
 
     def all_in_maintenance(self) -> bool:
-        return bool(self.engines) and all(e.maintenance for e in self.engines)
+        live = [e for e in self.engines if not e.retired]
+        return bool(live) and all(e.maintenance for e in live)
 
     # -- admission -----------------------------------------------------------------
     def admit(self, t: Ticket, now: float) -> Decision:
@@ -213,6 +238,8 @@ class Scheduler:
             e.prefill -= 1
         else:
             e.decode -= 1
+        if e.retired and e.in_flight == 0:
+            self.sweep()
 
     def error_quantiles(self) -> dict[str, float | None]:
         if not self.errors:

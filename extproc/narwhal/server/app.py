@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ..config import Config
 from ..core.router import Router
 from .admin import admin_app
+from .discovery import discover_once, discovery_loop
 from .extproc import PROCESS_PATH, SERVICE_NAME, ExternalProcessor, ExtProcCall
 from .grpc_health import CHECK_PATH, WATCH_PATH, HealthRegistry
 from .grpc_server import GrpcConnection
@@ -101,7 +102,12 @@ async def serve(config: Config) -> None:
     await runner.setup()
     site = web.TCPSite(runner, config.telemetry.admin_host, config.telemetry.admin_port)
     await site.start()
-    tasks = [asyncio.ensure_future(telemetry_loop(router))]
+    if config.discovery is not None:
+        await discover_once(router, config.discovery)  # the pool exists before telemetry
+        tasks = [asyncio.ensure_future(discovery_loop(router, config.discovery))]
+    else:
+        tasks = []
+    tasks.append(asyncio.ensure_future(telemetry_loop(router)))
     log.info("narwhal serving ext_proc (%s) on %s:%d, admin on %s:%d", config.serving.transport,
              config.serving.host, config.serving.extproc_port, config.telemetry.admin_host,
              config.telemetry.admin_port)

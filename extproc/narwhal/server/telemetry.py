@@ -67,7 +67,8 @@ async def scrape_engine(router: Router, engine: EngineState,
 
 
 async def check_once(router: Router, session: aiohttp.ClientSession) -> None:
-    await asyncio.gather(*(scrape_engine(router, e, session) for e in router.engines))
+    await asyncio.gather(*(scrape_engine(router, e, session) for e in list(router.engines)))
+    router.started = True
     router.changed()
     router.pump()  # an engine that came back can take queued work
 

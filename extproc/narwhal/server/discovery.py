@@ -1,0 +1,51 @@
+"""DNS discovery: resolve a headless Service name on an interval; the records are the pool.
+
+New addresses join (unchecked, so not placement-eligible until their first telemetry
+scrape); addresses that disappear are retired: no new work, dropped once drained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from ..config import Discovery, EngineConfig
+from ..core.router import Router
+
+log = logging.getLogger("narwhal.discovery")
+
+
+def engine_configs(d: Discovery, addresses: set[str]) -> dict[str, EngineConfig]:
+    out = {}
+    for ip in sorted(addresses):
+        host = f"[{ip}]" if ":" in ip else ip
+        cfg = EngineConfig(name=f"{d.name}/{ip}", url=f"http://{host}:{d.port}",
+                           dialect=d.dialect, prefill_tps=d.prefill_tps, tpot_ms=d.tpot_ms,
+                           overhead_ms=d.overhead_ms)
+        out[cfg.endpoint] = cfg
+    return out
+
+
+async def resolve(name: str, port: int) -> set[str]:
+    infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    return {info[4][0] for info in infos}
+
+
+async def discover_once(router: Router, d: Discovery) -> None:
+    try:
+        addresses = await resolve(d.name, d.port)
+    except OSError as exc:  # keep the last known pool when DNS fails
+        log.warning("cannot resolve %s: %s; keeping %d engine(s)", d.name, exc,
+                    len(router.engines))
+        return
+    added, retired = router.scheduler.reconcile(engine_configs(d, addresses))
+    if added or retired:
+        log.info("discovery %s: added %s, retired %s", d.name, added, retired)
+        router.changed()
+
+
+async def discovery_loop(router: Router, d: Discovery) -> None:
+    while True:
+        await discover_once(router, d)
+        await asyncio.sleep(d.interval_ms / 1000)
