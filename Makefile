@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+HELM   := .tools/bin/helm
 
 .PHONY: demo test lint bench clean
 
@@ -16,13 +17,16 @@ demo: $(STAMP)
 	$(BIN)/narwhal demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check extproc tests integration bench
+	$(BIN)/ruff check extproc tests integration bench scripts
 
-test: $(STAMP) lint
-	$(BIN)/pytest
+$(HELM):
+	$(PYTHON) scripts/fetch_helm.py .tools/bin
+
+test: $(STAMP) $(HELM) lint
+	PATH="$(CURDIR)/.tools/bin:$$PATH" $(BIN)/pytest
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.datapath
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .tools .pytest_cache .ruff_cache

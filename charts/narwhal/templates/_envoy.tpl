@@ -1,0 +1,70 @@
+{{/* Envoy for sidecar mode: the same filter chain as envoy/envoy.yaml in the repository. */}}
+{{- define "narwhal.envoy" -}}
+admin:
+  address: {socket_address: {address: 127.0.0.1, port_value: {{ .Values.ports.envoyAdmin }}}}
+static_resources:
+  listeners:
+  - name: client
+    address: {socket_address: {address: 0.0.0.0, port_value: {{ .Values.ports.http }}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: client
+          request_timeout: 0s
+          stream_idle_timeout: {{ .Values.envoy.routeIdleTimeout }}
+          max_request_headers_kb: 64
+          common_http_protocol_options: {headers_with_underscores_action: REJECT_REQUEST}
+          route_config:
+            name: engines
+            virtual_hosts:
+            - name: engines
+              domains: ["*"]
+              routes:
+              - match: {prefix: "/"}
+                route: {cluster: engines, timeout: 0s, idle_timeout: {{ .Values.envoy.routeIdleTimeout }}}
+          http_filters:
+          - name: envoy.filters.http.ext_proc
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service:
+                envoy_grpc: {cluster_name: narwhal}
+              failure_mode_allow: false
+              message_timeout: 600s
+              max_message_timeout: 600s
+              processing_mode:
+                request_header_mode: SEND
+                response_header_mode: SEND
+                request_body_mode: FULL_DUPLEX_STREAMED
+                response_body_mode: FULL_DUPLEX_STREAMED
+                request_trailer_mode: SEND
+                response_trailer_mode: SEND
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: narwhal
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config:
+          http2_protocol_options: {}
+    load_assignment:
+      cluster_name: narwhal
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: {{ .Values.ports.extproc }}}}}
+  - name: engines
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 2s
+    original_dst_lb_config:
+      use_http_header: true
+      http_header_name: x-gateway-destination-endpoint
+    circuit_breakers:
+      thresholds:
+      - {max_connections: 100000, max_pending_requests: 100000, max_requests: 100000}
+{{- end -}}

@@ -1,0 +1,30 @@
+{{- define "narwhal.name" -}}{{ .Chart.Name }}{{- end -}}
+{{- define "narwhal.fullname" -}}{{ printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}{{- end -}}
+{{- define "narwhal.labels" -}}
+app.kubernetes.io/name: {{ include "narwhal.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+{{- define "narwhal.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "narwhal.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+{{- define "narwhal.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}{{ default (include "narwhal.fullname" .) .Values.serviceAccount.name }}{{- else -}}{{ default "default" .Values.serviceAccount.name }}{{- end -}}
+{{- end -}}
+{{/* Narwhal's config file, from values. */}}
+{{- define "narwhal.config" -}}
+{{- $c := deepCopy .Values.config -}}
+{{- $serving := merge (dict "host" (ternary "127.0.0.1" "0.0.0.0" (eq .Values.mode "sidecar")) "extproc_port" (int .Values.ports.extproc)) ($c.serving | default dict) -}}
+{{- $telemetry := merge (dict "admin_host" "0.0.0.0" "admin_port" (int .Values.ports.admin)) ($c.telemetry | default dict) -}}
+{{- $_ := set $c "serving" $serving -}}
+{{- $_ := set $c "telemetry" $telemetry -}}
+{{- if .Values.engines.discovery.enabled -}}
+{{- $_ := set $c "engines" (dict "discovery" "dns" "name" .Values.engines.discovery.service "port" (int .Values.engines.discovery.port) "dialect" .Values.engines.discovery.dialect "interval_ms" (int .Values.engines.discovery.intervalMs)) -}}
+{{- else -}}
+{{- $_ := set $c "engines" .Values.engines.static -}}
+{{- end -}}
+{{- toYaml $c -}}
+{{- end -}}

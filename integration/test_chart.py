@@ -1,0 +1,151 @@
+"""The Helm chart: lint, render every optional feature, validate what it renders against
+Kubernetes schemas, Narwhal's own config loader and the real `envoy --mode validate`."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from narwhal.config import parse
+from narwhal.launch import REPO_ROOT, envoy_binary
+
+CHART = REPO_ROOT / "charts" / "narwhal"
+KUBERNETES = "1.35"
+CRD_KINDS = {"ServiceMonitor", "InferencePool", "EnvoyFilter"}
+FEATURES = {
+    "default": [],
+    "gateway": ["--set", "mode=gateway"],
+    "discovery": ["--set", "engines.discovery.enabled=true",
+                  "--set", "engines.discovery.service=vllm-headless.ns.svc.cluster.local"],
+    "service-monitor": ["--set", "serviceMonitor.enabled=true"],
+    "autoscaling": ["--set", "autoscaling.enabled=true"],
+    "ha": ["--set", "ha.enabled=true", "--set", "replicaCount=2"],
+    "inference-pool": ["--set", "mode=gateway", "--set", "inferencePool.enabled=true"],
+    "istio": ["--set", "mode=gateway", "--set", "istio.envoyFilter.enabled=true"],
+    "no-pdb": ["--set", "podDisruptionBudget.enabled=false"],
+    "expose-extproc": ["--set", "service.exposeExtproc=true"],
+}
+
+
+def helm() -> str:
+    path = shutil.which("helm")
+    assert path, "helm not on PATH: run `python scripts/fetch_helm.py` (make test does)"
+    return path
+
+
+def render(args: list[str]) -> list[dict]:
+    out = subprocess.run([helm(), "template", "narwhal", str(CHART), "--namespace", "llm", *args],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_lint(feature):
+    out = subprocess.run([helm(), "lint", str(CHART), *FEATURES[feature]],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_rendered_manifests_are_valid(feature):
+    docs = render(FEATURES[feature])
+    for doc in docs:
+        if doc["kind"] in CRD_KINDS:
+            assert doc["apiVersion"] and doc["metadata"]["name"] and doc["spec"]
+            continue
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_rendered_narwhal_config_loads(feature):
+    (cm,) = by_kind(render(FEATURES[feature]), "ConfigMap")
+    cfg = parse(yaml.safe_load(cm["data"]["narwhal.yaml"]))
+    gateway = "mode=gateway" in FEATURES[feature]
+    assert cfg.serving.host == ("0.0.0.0" if gateway else "127.0.0.1")
+    assert cfg.telemetry.admin_host == "0.0.0.0"  # kubelet probes the pod IP
+    if feature == "discovery":
+        assert cfg.discovery.name == "vllm-headless.ns.svc.cluster.local"
+    else:
+        assert cfg.engines and cfg.discovery is None
+
+
+@pytest.mark.parametrize("feature", ["default", "expose-extproc", "ha"])
+def test_rendered_envoy_config_validates(feature, tmp_path):
+    (cm,) = by_kind(render(FEATURES[feature]), "ConfigMap")
+    path = tmp_path / "envoy.yaml"
+    path.write_text(cm["data"]["envoy.yaml"])
+    out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_chart_envoy_matches_the_repository_envoy():
+    (cm,) = by_kind(render([]), "ConfigMap")
+    chart = yaml.safe_load(cm["data"]["envoy.yaml"])
+    repo = yaml.safe_load((REPO_ROOT / "envoy" / "envoy.yaml").read_text())
+
+    def filters(cfg):
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        return hcm["typed_config"]["http_filters"]
+
+    def engines(cfg):
+        return next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "engines")
+
+    assert filters(chart) == filters(repo)
+    assert engines(chart) == engines(repo)
+
+
+def test_sidecar_pod_shape():
+    docs = render([])
+    (dep,) = by_kind(docs, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["narwhal", "envoy"]
+    narwhal = pod["containers"][0]
+    assert narwhal["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert narwhal["livenessProbe"]["httpGet"]["path"] == "/live"
+    assert all(c["securityContext"]["readOnlyRootFilesystem"] for c in pod["containers"])
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (svc,) = by_kind(docs, "Service")
+    assert {p["name"] for p in svc["spec"]["ports"]} == {"http", "admin"}
+    assert by_kind(docs, "PodDisruptionBudget")
+
+
+def test_gateway_mode_exposes_extproc_and_points_the_pool_at_it():
+    docs = render(FEATURES["inference-pool"])
+    (dep,) = by_kind(docs, "Deployment")
+    assert [c["name"] for c in dep["spec"]["template"]["spec"]["containers"]] == ["narwhal"]
+    (svc,) = by_kind(docs, "Service")
+    ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert ports["grpc-extproc"]["port"] == 9002 and "http" not in ports
+    (pool,) = by_kind(docs, "InferencePool")
+    assert pool["spec"]["endpointPickerRef"] == {
+        "name": svc["metadata"]["name"], "port": {"number": 9002}, "failureMode": "FailClose"}
+
+
+def test_ha_grants_lease_rbac():
+    docs = render(FEATURES["ha"])
+    (role,) = by_kind(docs, "Role")
+    assert role["rules"][0]["resources"] == ["leases"]
+    assert by_kind(docs, "RoleBinding")
+
+
+@pytest.mark.parametrize(("bad", "where"), [
+    (["--set", "mode=mesh"], "/mode"),
+    (["--set", "ports.admin=70000"], "/ports/admin"),
+    (["--set", "engines.discovery.enabled=true"], "/engines/discovery/service"),
+    (["--set", "config.admission.mode=eager"], "/config/admission/mode"),
+])
+def test_schema_rejects_bad_values(bad, where):
+    out = subprocess.run([helm(), "template", "narwhal", str(CHART), *bad],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert where in out.stderr
