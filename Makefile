@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 HELM   := .tools/bin/helm
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean containers
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,10 @@ lint: $(STAMP)
 $(HELM):
 	$(PYTHON) scripts/fetch_helm.py .tools/bin
 
-test: $(STAMP) $(HELM) lint
+containers:
+	scripts/container-engine.sh
+
+test: $(STAMP) $(HELM) lint containers
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(BIN)/pytest
 
 bench: $(STAMP)
