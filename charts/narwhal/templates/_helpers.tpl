@@ -1,5 +1,8 @@
 {{- define "narwhal.name" -}}{{ .Chart.Name }}{{- end -}}
-{{- define "narwhal.fullname" -}}{{ printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}{{- end -}}
+{{- define "narwhal.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}{{ .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else -}}{{ printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}{{- end -}}
+{{- end -}}
 {{- define "narwhal.labels" -}}
 app.kubernetes.io/name: {{ include "narwhal.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
