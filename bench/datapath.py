@@ -27,9 +27,8 @@ import tempfile
 from pathlib import Path
 
 import orjson
-import yaml
 
-from narwhal.launch import REPO_ROOT, SimSpec, Stack, envoy_binary, free_port, wait_http
+from narwhal.launch import REPO_ROOT, SimSpec, Stack, plain_envoy
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # Phase slots wide enough that every client's request is in flight at once, as it is
@@ -59,27 +58,11 @@ def wrk(url: str, body: dict, seconds: float, connections: int, workdir: Path) -
     return count, rps
 
 
-def direct_envoy(workdir: Path, engine_port: int) -> tuple[subprocess.Popen, int]:
-    cfg = yaml.safe_load((REPO_ROOT / "bench" / "envoy-direct.yaml").read_text())
-    port, admin = free_port(), free_port()
-    cfg["admin"]["address"]["socket_address"]["port_value"] = admin
-    cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = port
-    ep = cfg["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]
-    ep["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["port_value"] = engine_port
-    path = workdir / "envoy-direct.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    log = open(workdir / "envoy-direct.log", "wb")  # noqa: SIM115 - lives as long as Envoy
-    proc = subprocess.Popen([envoy_binary(), "-c", str(path), "--log-level", "warn",
-                             "--base-id", str(port), "--disable-hot-restart"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    wait_http(f"http://127.0.0.1:{admin}/ready", 30, proc)
-    return proc, port
-
-
 def short_requests(args: argparse.Namespace, workdir: Path, transport: str) -> list[str]:
     stack = Stack(sims=[SimSpec("instant")], model=MODEL,
                   config={"serving": {"transport": transport}, "scheduler": SLOTS}).start()
-    envoy, direct_port = direct_envoy(workdir, stack.sims[0].port)
+    envoy, direct_port = plain_envoy(REPO_ROOT / "bench" / "envoy-direct.yaml", workdir,
+                                     [stack.sims[0].port])
     narwhal_pid = stack.proc("narwhal").popen.pid
     rows = []
     try:

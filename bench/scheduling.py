@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,9 +22,8 @@ from pathlib import Path
 
 import aiohttp
 import orjson
-import yaml
 
-from narwhal.launch import REPO_ROOT, SimSpec, Stack, envoy_binary, free_port, wait_http
+from narwhal.launch import REPO_ROOT, SimSpec, Stack, plain_envoy
 
 MODEL = "narwhal-sim"
 SPEEDS = (4000.0, 2000.0, 1000.0)  # prefill tokens/s of the three engines
@@ -109,23 +107,6 @@ def summarize(results: list[Result], duration: float, budget_s: float) -> dict:
     }
 
 
-def roundrobin_envoy(workdir: Path, ports: list[int]) -> tuple[subprocess.Popen, int]:
-    cfg = yaml.safe_load((REPO_ROOT / "bench" / "envoy-roundrobin.yaml").read_text())
-    port, admin = free_port(), free_port()
-    cfg["admin"]["address"]["socket_address"]["port_value"] = admin
-    cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = port
-    cfg["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
-        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
-        for p in ports]
-    path = workdir / "envoy-roundrobin.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen([envoy_binary(), "-c", str(path), "--log-level", "warn",
-                             "--base-id", str(port), "--disable-hot-restart"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_http(f"http://127.0.0.1:{admin}/ready", 30, proc)
-    return proc, port
-
-
 def narwhal_stack(sims: list[SimSpec], mode: str, budget_ms: int) -> Stack:
     engines = [{"name": s.name, "url": f"http://127.0.0.1:{s.port}", "dialect": "vllm",
                 "prefill_tps": speed} for s, speed in zip(sims, SPEEDS, strict=True)]
@@ -155,7 +136,8 @@ def main() -> int:
     try:
         for policy in ("predictive", "open", "round-robin"):
             if policy == "round-robin":
-                envoy, port = roundrobin_envoy(workdir, [s.port for s in sims])
+                envoy, port = plain_envoy(REPO_ROOT / "bench" / "envoy-roundrobin.yaml",
+                                          workdir, [s.port for s in sims])
                 url, stop = f"http://127.0.0.1:{port}/v1/chat/completions", envoy.terminate
             else:
                 stack = narwhal_stack(sims, policy, args.budget_ms)

@@ -59,6 +59,42 @@ def render_envoy(port: int, admin_port: int, extproc_port: int,
     return cfg
 
 
+def plain_envoy(source: Path, workdir: Path, upstream_ports: list[int],
+                timeout: float = 30.0) -> tuple[subprocess.Popen, int]:
+    """Start an Envoy without Narwhal (the benchmarks' baselines) from ``source``, whose
+    first cluster's endpoints become ``upstream_ports``; return it and its client port."""
+    cfg = yaml.safe_load(source.read_text())
+    port, admin = free_port(), free_port()
+    cfg["admin"]["address"]["socket_address"]["port_value"] = admin
+    cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = port
+    cfg["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+        for p in upstream_ports]
+    path = workdir / source.name
+    path.write_text(yaml.safe_dump(cfg))
+    with open(workdir / f"{source.stem}.log", "wb") as log:
+        proc = subprocess.Popen([envoy_binary(), "-c", str(path), "--log-level", "warn",
+                                 "--base-id", str(port), "--disable-hot-restart"],
+                                stdout=log, stderr=subprocess.STDOUT)
+    wait_http(f"http://127.0.0.1:{admin}/ready", timeout, proc)
+    return proc, port
+
+
+class StackURLs:
+    """The client and admin URLs of anything that runs the path (processes, containers)."""
+
+    port: int
+    admin_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+
 def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None,
               status: int = 200) -> None:
     """Poll ``url`` until it answers ``status``; fail fast if ``proc`` dies."""
@@ -111,7 +147,7 @@ class SimSpec:
 
 
 @dataclass
-class Stack:
+class Stack(StackURLs):
     """Envoy + narwhal serve + simulators; ``start()`` returns when all are ready."""
 
     sims: list[SimSpec]
@@ -124,14 +160,6 @@ class Stack:
     engine_seed: dict[str, Any] = field(default_factory=dict)  # extra keys for every engine
     workdir: Path | None = None
     procs: list[Proc] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
         assert self.workdir is not None

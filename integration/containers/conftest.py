@@ -24,7 +24,7 @@ os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
 
 from testcontainers.core.container import DockerContainer  # noqa: E402
 
-from narwhal.launch import REPO_ROOT, free_port, render_envoy, wait_http  # noqa: E402
+from narwhal.launch import REPO_ROOT, StackURLs, free_port, render_envoy, wait_http  # noqa: E402
 
 from ..conftest import MODEL  # noqa: E402
 
@@ -56,8 +56,8 @@ class ContainerSim:
 
 
 @dataclass
-class ContainerStack:
-    """Duck-types narwhal.launch.Stack for the shared seed tests."""
+class ContainerStack(StackURLs):
+    """Stands in for narwhal.launch.Stack in the shared seed tests."""
 
     images: tuple[str, str]
     sim_args: list[str]
@@ -69,14 +69,6 @@ class ContainerStack:
     envoy_admin_port: int = 0
     sims: list[ContainerSim] = field(default_factory=list)
     containers: list[DockerContainer] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
 
     def _run(self, image: str, command: list[str], volumes: dict[Path, str] | None = None
              ) -> DockerContainer:
