@@ -253,8 +253,11 @@ def test_maintenance_moves_placement_and_whole_wave_refuses(pair):
     assert post(pair, {"max_tokens": 1}).status_code == 200
 
 
-def test_unknown_engine_in_admin_call_is_400(pair):
-    assert admin(pair, "POST", "/admin/maintenance", {"engines": ["zz"]}).status_code == 400
+def test_bad_admin_calls_are_400_with_a_reason(pair):
+    resp = admin(pair, "POST", "/admin/maintenance", {"engines": ["zz"]})
+    assert resp.status_code == 400 and resp.json() == {"error": "unknown engine 'zz'"}
+    resp = admin(pair, "POST", "/admin/maintenance", {"engines": []})
+    assert resp.status_code == 400 and "engines" in resp.json()["error"]
 
 
 def test_fenced_router_refuses(pair):

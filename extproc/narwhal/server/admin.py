@@ -16,6 +16,11 @@ def _json(data: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
+def _bad_request(message: str) -> web.HTTPBadRequest:
+    return web.HTTPBadRequest(text=orjson.dumps({"error": message}).decode(),
+                              content_type="application/json")
+
+
 def admin_app(router: Router) -> web.Application:
     registry = CollectorRegistry()
     registry.register(RouterCollector(router))
@@ -71,22 +76,19 @@ def admin_app(router: Router) -> web.Application:
         try:
             body = await request.json() if request.can_read_body else {}
         except ValueError:
-            raise web.HTTPBadRequest(text='{"error": "body must be JSON"}',
-                                     content_type="application/json") from None
+            raise _bad_request("body must be JSON") from None
         if not isinstance(body, dict):
             body = {}
         if body.get("all") is True:
             return list(router.engines)
         names = body.get("engines")
         if not isinstance(names, list) or not names:
-            raise web.HTTPBadRequest(text='{"error": "give {\\"engines\\": [names]} or '
-                                     '{\\"all\\": true}"}', content_type="application/json")
+            raise _bad_request('give {"engines": [names]} or {"all": true}')
         engines = []
         for name in names:
             engine = router.engine(name) if isinstance(name, str) else None
             if engine is None:
-                raise web.HTTPBadRequest(text=orjson.dumps({"error": f"unknown engine {name!r}"})
-                                         .decode(), content_type="application/json")
+                raise _bad_request(f"unknown engine {name!r}")
             engines.append(engine)
         return engines
 
