@@ -263,7 +263,7 @@ def test_tokenizer_file_sizes_prompts(tmp_path):
         {"messages": [{"role": "user", "content": "narwhal tusk"},
                       {"role": "user", "content": [{"type": "text", "text": "ocean deep"}]}]}),
         "m")
-    assert sizer.estimate(req.prompt_bytes, req.prompt_text()) == 4  # words, not bytes / 4
+    assert sizer.estimate(req.prompt_bytes, req.prompt_text) == 4  # words, not bytes / 4
     router, clock, _ = make_router(sizing={"tokenizer": str(path)})
     ex, _ = start(router, 0)
     assert ex.ticket.tokens == 1  # "abcd" * 0 -> empty text -> at least one token

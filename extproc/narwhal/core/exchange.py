@@ -77,8 +77,9 @@ class Exchange:
 
     __slots__ = ("router", "phase", "completion", "path", "buf", "request", "engine", "meter",
                  "relay", "assembler", "parser", "status", "terminal", "sized", "upstream_error",
-                 "request_ended", "response_bytes", "held", "arrival", "deadline", "budget_s",
-                 "ticket", "timer", "sink", "client_headers_sent", "last_token_at")
+                 "request_ended", "request_bytes", "response_bytes", "held", "arrival",
+                 "deadline", "budget_s", "ticket", "timer", "sink", "client_headers_sent",
+                 "last_token_at")
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -97,6 +98,7 @@ class Exchange:
         self.sized = False
         self.upstream_error = False
         self.request_ended = False
+        self.request_bytes = 0
         self.response_bytes = 0
         self.held = False
         self.arrival = 0.0
@@ -168,9 +170,9 @@ class Exchange:
         if self.phase is not Phase.REQUEST_BODY:
             return []
         self.buf.append(chunk)
+        self.request_bytes += len(chunk)
         limit = self.router.config.serving.max_request_bytes
-        size = sum(len(b) for b in self.buf)
-        if size > limit:
+        if self.request_bytes > limit:
             return self._refuse(errors.request_too_large(limit))
         if not end_of_stream:
             return []
@@ -184,9 +186,7 @@ class Exchange:
         self.request = req
         self.sized = True
         now = self.router.clock()
-        sizer = self.router.sizer
-        tokens = (sizer.estimate(req.prompt_bytes, req.prompt_text())
-                  if sizer.tokenizer is not None else sizer.estimate(req.prompt_bytes))
+        tokens = self.router.sizer.estimate(req.prompt_bytes, req.prompt_text)
         self.ticket = Ticket(self, tokens, self.arrival, self.budget_s, self.deadline)
         decision = self.router.scheduler.admit(self.ticket, now)
         if isinstance(decision, Refuse):
@@ -358,7 +358,8 @@ class Exchange:
 
     def _upstream_error(self, chunk: bytes, end_of_stream: bool) -> list[Action]:
         self.buf.append(chunk)
-        if sum(len(b) for b in self.buf) > self.router.config.serving.max_event_bytes:
+        self.response_bytes += len(chunk)
+        if self.response_bytes > self.router.config.serving.max_event_bytes:
             return self._refuse(errors.engine_failure(
                 f"engine answered HTTP {self.status} with an oversized body"))
         if not end_of_stream:

@@ -9,6 +9,7 @@ follow the model's real tokenizer without Narwhal loading one. With
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 EWMA = 0.1
 
@@ -25,9 +26,10 @@ class Sizer:
         self.samples = 0
         self.tokenizer = _load_tokenizer(tokenizer_path) if tokenizer_path else None
 
-    def estimate(self, prompt_bytes: int, text: str | None = None) -> int:
+    def estimate(self, prompt_bytes: int, text: Callable[[], str] | None = None) -> int:
+        """Prompt tokens; ``text`` is called only when a tokenizer is configured."""
         if self.tokenizer is not None and text is not None:
-            return max(1, len(self.tokenizer.encode(text, add_special_tokens=False).ids))
+            return max(1, len(self.tokenizer.encode(text(), add_special_tokens=False).ids))
         return max(1, math.ceil(prompt_bytes / self.bytes_per_token))
 
     def learn(self, prompt_bytes: int, prompt_tokens: object) -> None:
