@@ -32,8 +32,8 @@ FEATURES = {
 
 
 def helm() -> str:
-    path = shutil.which("helm")
-    assert path, "helm not on PATH: run `python scripts/fetch_helm.py` (make test does)"
+    path = shutil.which("helm") or shutil.which("helm", path=str(REPO_ROOT / ".tools" / "bin"))
+    assert path, "helm not found: run `python scripts/fetch_helm.py` (make test does)"
     return path
 
 
