@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from narwhal.config import parse
-from narwhal.core.exchange import DESTINATION_HEADER, Body, Exchange, Headers, Immediate
+from narwhal.core.exchange import DESTINATION_HEADER, Body, Exchange, Headers, Immediate, Trailers
 from narwhal.core.router import Router
 from narwhal.sim.generate import SimOptions, make_plan, stream_events
 
@@ -45,7 +45,7 @@ def test_non_streaming_round_trip_counts_completed(router):
     ex = Exchange(router)
     up = admit(ex)
     assert orjson.loads(up)["stream"] is True
-    assert ex.response_headers({":status": "200"}, False) == []
+    assert ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False) == []
     sse = engine_stream(up)
     actions = []
     for i in range(0, len(sse), 7):  # arbitrary chunking
@@ -64,7 +64,7 @@ def test_non_streaming_round_trip_counts_completed(router):
 def test_streaming_round_trip_forwards_events(router):
     ex = Exchange(router)
     up = admit(ex, orjson.dumps(orjson.loads(BODY) | {"stream": True}))
-    (h,) = ex.response_headers({":status": "200"}, False)
+    (h,) = ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
     assert "content-length" in h.remove
     out = b""
     for part in engine_stream(up).split(b"\n\n"):
@@ -125,7 +125,7 @@ def test_standby_router_refuses(router):
 def test_token_id_fault_non_streaming_is_502_and_marks_engine(router):
     ex = Exchange(router)
     up = admit(ex)
-    ex.response_headers({":status": "200"}, False)
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
     (imm,) = ex.response_body(engine_stream(up, "bool-token-id"), False)
     assert imm.error.status == 502 and router.engines[0].measurement_failures == 1
     assert ex.response_body(b"data: more\n\n", True) == []
@@ -165,6 +165,23 @@ def test_assembled_response_is_bounded(router):
     router.scheduler.config = router.config
     ex = Exchange(router)
     up = admit(ex, orjson.dumps(orjson.loads(BODY) | {"max_tokens": 64}))
-    ex.response_headers({":status": "200"}, False)
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
     (imm,) = ex.response_body(engine_stream(up), False)
     assert imm.error.status == 502 and "max_response_bytes" in imm.error.message
+
+
+def test_engine_that_does_not_stream_is_502(router):
+    ex = Exchange(router)
+    admit(ex)
+    (imm,) = ex.response_headers({":status": "200", "content-type": "application/json"}, False)
+    assert imm.error.status == 502 and "application/json" in imm.error.message
+    assert router.accounting.terminal["failed"] == 1 and router.engines[0].in_flight == 0
+
+
+def test_request_trailers_end_the_body(router):
+    ex = Exchange(router)
+    assert ex.request_headers(HDRS, False) == []
+    assert ex.request_body(BODY, False) == []
+    h, b, t = ex.request_trailers()
+    assert isinstance(h, Headers) and isinstance(b, Body) and isinstance(t, Trailers)
+    assert not b.end_of_stream and orjson.loads(b.data)["stream"] is True

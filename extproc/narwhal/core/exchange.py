@@ -224,7 +224,14 @@ class Exchange:
         ]
 
     def request_trailers(self) -> list[Action]:
-        return [Trailers(False)]
+        """Trailers end a request body that never said end_of_stream: size and admit it
+        now; the rewritten body stays open because Envoy forwards the trailers after it."""
+        if not (self.completion and self.phase is Phase.REQUEST_BODY):
+            return [Trailers(False)]
+        actions = self.request_body(b"", True)
+        if actions and isinstance(actions[-1], Body):
+            actions[-1].end_of_stream = False
+        return [*actions, Trailers(False)]
 
     # -- response --------------------------------------------------------------
     def response_headers(self, headers: dict[str, str], end_of_stream: bool) -> list[Action]:
@@ -235,6 +242,10 @@ class Exchange:
         if self.phase is not Phase.UPSTREAM:
             return []
         self.phase = Phase.RESPONSE_BODY
+        ctype = headers.get("content-type", "")
+        if self.status == 200 and not ctype.startswith("text/event-stream"):
+            return self._refuse(errors.engine_failure(
+                f"engine answered a stream request with content-type {ctype or 'none'!r}"))
         if self.status != 200:
             self.upstream_error = True
         elif self.relay is not None:
