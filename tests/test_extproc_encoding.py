@@ -25,6 +25,14 @@ def test_body_encoding_matches_protobuf(size, response, eos):
 
 @pytest.mark.parametrize("action", [
     Headers(False, set=[("a", "b")], remove=["c"], destination="127.0.0.1:1"),
-    Headers(True), Trailers(True), Immediate(backend_unavailable())])
-def test_other_actions_use_protobuf(action):
+    Headers(False, set=[("x-gateway-destination-endpoint", "[::1]:8000"),
+                        ("content-length", "123")], remove=["accept-encoding",
+                                                            "transfer-encoding"],
+            destination="[::1]:8000"),
+    Headers(False, destination="10.0.0.1:80", set=[("k", "v" * 300)]),
+    Headers(True), Headers(True, remove=["content-length"]),
+    Headers(True, set=[("content-type", "application/json"), ("x-narwhal-predicted-ttft-ms",
+                                                                "12")]),
+    Trailers(True), Trailers(False), Immediate(backend_unavailable())])
+def test_other_actions_encode_as_protobuf_does(action):
     assert encode(action) == to_proto(action).SerializeToString()

@@ -65,10 +65,30 @@ def _field(tag: bytes, payload: bytes) -> bytes:
     return tag + _varint(len(payload)) + payload
 
 
+@functools.lru_cache(maxsize=4096)
+def _lb_metadata_bytes(destination: str) -> bytes:
+    return _lb_metadata(destination).SerializeToString()
+
+
+def _header_option(key: str, value: str) -> bytes:
+    # HeaderValueOption{header=1: HeaderValue{key=1, raw_value=3}, append_action=3: OVERWRITE}
+    header = _field(b"\x0a", key.encode("latin-1")) + _field(b"\x1a", value.encode("latin-1"))
+    return _field(b"\x0a", _field(b"\x0a", header) + b"\x18\x02")
+
+
 def encode(action: Action) -> bytes:
-    """Serialized ProcessingResponse. Streamed body chunks, one per token on a stream,
-    are written straight in protobuf wire format (the same bytes upb produces, checked
-    by the unit tests) instead of building five nested messages per chunk."""
+    """Serialized ProcessingResponse. Body chunks (one per token on a stream) and header
+    replies (several per request) are written straight in protobuf wire format — the
+    same bytes upb produces, checked by the unit tests — instead of building nested
+    messages; the rarer replies go through the generated classes."""
+    if action.__class__ is Headers:
+        mutation = b"".join(_header_option(k, v) for k, v in action.set) + b"".join(
+            _field(b"\x12", name.encode("latin-1")) for name in action.remove)
+        common = _field(b"\x12", mutation) if mutation else b""  # header_mutation = 2
+        out = _field(b"\x12" if action.response else b"\x0a", _field(b"\x0a", common))
+        if not action.response and action.destination is not None:
+            out += _field(b"\x42", _lb_metadata_bytes(action.destination))  # dynamic_metadata=8
+        return out
     if action.__class__ is Body:
         # StreamedBodyResponse.body = 1 (omitted when empty, as proto3 does)
         streamed = _field(b"\x0a", action.data) if action.data else b""
