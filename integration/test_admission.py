@@ -116,7 +116,7 @@ def test_retention_limit_is_429_and_queue_is_fifo(queue_stack):
 
 
 def test_client_leaving_the_queue_frees_its_place(queue_stack):
-    first = background(queue_stack, {"max_tokens": 60})
+    first = background(queue_stack, {"max_tokens": 150})  # ~1.5 s: outlives the leaver
     wait_for(queue_stack, lambda s: s["engines"][0]["in_flight"] == 1)
     with pytest.raises(httpx.ReadTimeout):
         post(queue_stack, {"max_tokens": 2}, timeout=0.3)  # queued, then the client leaves
