@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 HELM   := .tools/bin/helm
 
-.PHONY: demo test lint bench clean containers
+.PHONY: demo test lint bench bench-scheduling clean containers
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ test: $(STAMP) $(HELM) lint containers
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.datapath
+
+bench-scheduling: $(STAMP)
+	$(BIN)/python -m bench.scheduling
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache .ruff_cache
