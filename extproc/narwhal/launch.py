@@ -46,12 +46,17 @@ def envoy_binary() -> str:
     return found
 
 
+def _set_ports(cfg: dict[str, Any], port: int, admin_port: int) -> None:
+    """Envoy's admin port and its (first) listener's client port."""
+    cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = port
+
+
 def render_envoy(port: int, admin_port: int, extproc_port: int,
                  source: Path = ENVOY_CONFIG) -> dict[str, Any]:
     """The shipped Envoy config with its three ports replaced."""
     cfg = yaml.safe_load(source.read_text())
-    cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
-    cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = port
+    _set_ports(cfg, port, admin_port)
     for cluster in cfg["static_resources"]["clusters"]:
         if cluster["name"] == "narwhal":
             ep = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
@@ -65,8 +70,7 @@ def plain_envoy(source: Path, workdir: Path, upstream_ports: list[int],
     first cluster's endpoints become ``upstream_ports``; return it and its client port."""
     cfg = yaml.safe_load(source.read_text())
     port, admin = free_port(), free_port()
-    cfg["admin"]["address"]["socket_address"]["port_value"] = admin
-    cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = port
+    _set_ports(cfg, port, admin)
     cfg["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
         {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
         for p in upstream_ports]

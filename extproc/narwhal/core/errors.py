@@ -73,6 +73,28 @@ def retention_full() -> HttpError:
                      "rate_limit_error", REJECTED, code="retention_full", retry_after=1)
 
 
+def prompt_too_long(alone_s: float, budget_s: float) -> HttpError:
+    return HttpError(
+        429, f"The prompt alone needs about {alone_s * 1000:.0f} ms to prefill, over the "
+        f"{budget_s * 1000:.0f} ms time-to-first-token budget: shorten the prompt or raise "
+        "the target (x-slo-ttft-ms)", "rate_limit_error", REFUSED,
+        code="prompt_exceeds_ttft_budget")
+
+
+def projected_over_budget(projected_s: float, budget_s: float) -> HttpError:
+    overrun = projected_s - budget_s
+    return HttpError(
+        429, f"Projected time to first token {projected_s * 1000:.0f} ms exceeds the "
+        f"{budget_s * 1000:.0f} ms budget by {overrun * 1000:.0f} ms; retry later",
+        "rate_limit_error", REFUSED, code="ttft_budget_exceeded",
+        retry_after=max(1, round(overrun)))
+
+
+def queue_full() -> HttpError:
+    return HttpError(429, "Admission queue is full; retry", "rate_limit_error", REJECTED,
+                     code="queue_full", retry_after=1)
+
+
 def terminal_expiry(why: str) -> HttpError:
     return HttpError(504, f"Terminal expiry: {why} before response headers", "timeout_error",
                      EXPIRED, code="terminal_expiry")

@@ -117,7 +117,7 @@ class Exchange:
         self.path = path
         method = headers.get(":method", "")
         if path not in COMPLETION_PATHS:
-            return self._passthrough_headers(method, end_of_stream)
+            return self._passthrough_headers(end_of_stream)
         self.completion = True
         self.router.accounting.offered += 1
         if method != "POST":
@@ -151,7 +151,7 @@ class Exchange:
             return self.request_body(b"", True)
         return []
 
-    def _passthrough_headers(self, method: str, end_of_stream: bool) -> list[Action]:
+    def _passthrough_headers(self, end_of_stream: bool) -> list[Action]:
         serviceable = self.router.scheduler.serviceable(self.router.clock())
         if not serviceable:
             return [Immediate(errors.backend_unavailable())]

@@ -60,28 +60,6 @@ class Refuse(Decision):
     error: HttpError
 
 
-def prompt_too_long(alone_s: float, budget_s: float) -> HttpError:
-    return HttpError(
-        429, f"The prompt alone needs about {alone_s * 1000:.0f} ms to prefill, over the "
-        f"{budget_s * 1000:.0f} ms time-to-first-token budget: shorten the prompt or raise "
-        "the target (x-slo-ttft-ms)", "rate_limit_error", errors.REFUSED,
-        code="prompt_exceeds_ttft_budget")
-
-
-def projected_over_budget(projected_s: float, budget_s: float) -> HttpError:
-    overrun = projected_s - budget_s
-    return HttpError(
-        429, f"Projected time to first token {projected_s * 1000:.0f} ms exceeds the "
-        f"{budget_s * 1000:.0f} ms budget by {overrun * 1000:.0f} ms; retry later",
-        "rate_limit_error", errors.REFUSED, code="ttft_budget_exceeded",
-        retry_after=max(1, round(overrun)))
-
-
-def queue_full() -> HttpError:
-    return HttpError(429, "Admission queue is full; retry", "rate_limit_error", errors.REJECTED,
-                     code="queue_full", retry_after=1)
-
-
 class Scheduler:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -145,15 +123,15 @@ class Scheduler:
         if self.config.admission.mode == "predictive":
             alone = min(e.model.prefill_s(t.tokens) + e.model.overhead_ms / 1000 for e in engines)
             if alone > t.budget_s:
-                return Refuse(prompt_too_long(alone, t.budget_s))
+                return Refuse(errors.prompt_too_long(alone, t.budget_s))
             if projected * self.calibration > t.budget_s:
-                return Refuse(projected_over_budget(projected * self.calibration, t.budget_s))
+                return Refuse(errors.projected_over_budget(projected * self.calibration, t.budget_s))
         if not self.queue:
             engine = self._place(t, now, engines)
             if engine is not None:
                 return Dispatch(engine)
         if len(self.queue) >= self.config.admission.queue_limit:
-            return Refuse(queue_full())
+            return Refuse(errors.queue_full())
         t.queued_at = now
         self.queue.append(t)
         self.queued_tokens += t.tokens

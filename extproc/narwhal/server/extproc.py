@@ -19,7 +19,16 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from ..core.exchange import LB_NAMESPACE, Action, Body, Exchange, Headers, Immediate, Trailers
+from ..core.exchange import (
+    DESTINATION_HEADER,
+    LB_NAMESPACE,
+    Action,
+    Body,
+    Exchange,
+    Headers,
+    Immediate,
+    Trailers,
+)
 from ..core.router import Router
 from .grpc_server import INVALID_ARGUMENT, Stream
 
@@ -46,7 +55,7 @@ def _mutation(set_: list[tuple[str, str]], remove: list[str]) -> pb.HeaderMutati
 def _lb_metadata(destination: str) -> struct_pb2.Struct:
     """Built once per engine endpoint; callers copy it into their reply."""
     md = struct_pb2.Struct()
-    md.get_or_create_struct(LB_NAMESPACE)["x-gateway-destination-endpoint"] = destination
+    md.get_or_create_struct(LB_NAMESPACE)[DESTINATION_HEADER] = destination
     return md
 
 
