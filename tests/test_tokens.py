@@ -75,12 +75,75 @@ def test_usage_and_prompt_ids_recorded():
     assert m.usage == {"prompt_tokens": 3} and m.prompt_token_ids == 3
 
 
-def test_relay_strips_ids_and_unrequested_usage():
+def test_relay_nulls_ids_and_drops_unrequested_usage():
     r = Relay(expose_ids=False, include_usage=False)
     ev = {"choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [1]}],
           "prompt_token_ids": [2]}
-    assert r.event(ev, b"raw") == b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    assert r.event(ev, b"raw") == (b'data: {"choices":[{"index":0,"delta":{"content":"a"},'
+                                   b'"token_ids":null}],"prompt_token_ids":null}\n\n')
     assert r.event({"choices": [], "usage": {"x": 1}}, b"raw") is None
+
+
+def test_relay_drops_events_that_only_carried_ids():
+    r = Relay(expose_ids=False, include_usage=True)
+    assert r.event({"choices": [{"index": 0, "delta": {}, "token_ids": [7]}]}, b"raw") is None
+    assert r.event({"choices": [{"index": 0, "text": "", "token_ids": [7]}]}, b"raw") is None
+    kept = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "token_ids": [7]}]}
+    assert r.event(kept, b"raw") is not None
+
+
+def test_relay_moves_usage_metadata_onto_the_final_event():
+    r = Relay(expose_ids=True, include_usage=False)
+    final = {"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+    assert r.event(final, b"raw") is None  # held until the usage frame
+    out = r.event({"id": "c", "choices": [], "usage": {"completion_tokens": 1},
+                   "system_fingerprint": "fp"}, b"raw")
+    assert out == (b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"length"}],'
+                   b'"system_fingerprint":"fp"}\n\n')
+    assert r.flush() is None
+
+
+def test_relay_flushes_a_held_event_without_usage():
+    r = Relay(expose_ids=True, include_usage=False)
+    assert r.event({"choices": [{"index": 0, "finish_reason": "stop"}]}, b"raw") is None
+    assert r.flush() == b'data: {"choices":[{"index":0,"finish_reason":"stop"}]}\n\n'
+
+
+def test_ids_on_events_without_visible_output_are_counted():
+    """vLLM sends tool-call markup, partial UTF-8 and special tokens with an empty delta."""
+    m = Meter(chat=True, token_ids=True)
+    assert m.observe(delta_event({}, token_ids=[5])) == 1
+    assert m.observe(delta_event({"reasoning": ""}, token_ids=[6, 7])) == 2
+    assert m.observe(delta_event({"content": "x"}, token_ids=[8])) == 1
+    assert m.output_tokens == 4 and m.first_token_seen
+
+
+def test_completion_prompt_ids_per_choice():
+    m = Meter(chat=False, token_ids=True)
+    m.observe({"choices": [{"index": 0, "text": "a", "token_ids": [1],
+                            "prompt_token_ids": [4, 5, 6]}]})
+    assert m.prompt_token_ids == 3
+
+
+def test_without_ids_the_engine_usage_is_the_count():
+    m = Meter(chat=True, token_ids=False)
+    assert m.observe(delta_event({"content": "a"}, token_ids=None)) == 1
+    assert m.observe(delta_event({}, token_ids=None)) == 0
+    assert m.output_tokens == 1
+    m.observe({"choices": [], "usage": {"completion_tokens": 9}})
+    assert m.output_tokens == 9
+
+
+def test_error_event_keeps_the_engine_envelope():
+    from narwhal.core.meter import EngineErrorEvent
+
+    m = Meter(chat=True, token_ids=True)
+    with pytest.raises(EngineErrorEvent) as info:
+        m.observe({"error": {"message": "no", "code": 400, "param": "logprobs"}}, b"raw")
+    assert info.value.status == 400 and info.value.raw == b"raw"
+    with pytest.raises(EngineErrorEvent) as info:
+        m.observe({"error": {"message": "no", "code": True}})
+    assert info.value.status == 502
 
 
 def test_relay_verbatim_when_client_asked_for_everything():

@@ -17,7 +17,7 @@ STRING_DELTAS = ("content", "reasoning", "reasoning_content", "refusal")
 CHAT_CHOICE_KEYS = frozenset({"index", "delta", "logprobs", "finish_reason", "stop_reason",
                               "token_ids"})
 TEXT_CHOICE_KEYS = frozenset({"index", "text", "logprobs", "finish_reason", "stop_reason",
-                              "token_ids", "prompt_logprobs"})
+                              "token_ids", "prompt_logprobs", "prompt_token_ids"})
 DELTA_KEYS = frozenset({"role", "content", "reasoning", "reasoning_content", "refusal",
                         "tool_calls", "function_call", "token_ids"})
 TOOL_CALL_KEYS = frozenset({"index", "id", "type", "function"})
@@ -65,6 +65,7 @@ class _Choice:
     stop_reason: Any = None
     has_stop_reason: bool = False
     token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None  # completions: vLLM sends them per choice
 
 
 class Assembler:
@@ -108,9 +109,13 @@ class Assembler:
         elif choice.get("stop_reason") is not None:
             state.has_stop_reason = True
             state.stop_reason = choice["stop_reason"]
-        ids = choice.get("token_ids")
-        if ids and self.expose_ids:
-            state.token_ids.extend(ids)
+        if self.expose_ids:
+            ids = choice.get("token_ids")
+            if ids:
+                state.token_ids.extend(ids)
+            ptids = choice.get("prompt_token_ids")
+            if ptids is not None and state.prompt_token_ids is None:
+                state.prompt_token_ids = ptids
 
     def _chat_choice(self, state: _Choice, choice: dict[str, Any]) -> None:
         for key, value in choice.items():
@@ -248,7 +253,7 @@ class Assembler:
         resp.update({k: v for k, v in self.meta.items() if k != "id"})
         resp["choices"] = choices
         resp["usage"] = usage
-        if self.expose_ids and self.prompt_token_ids is not None:
+        if self.expose_ids and self.prompt_token_ids is not None and self.chat:
             resp["prompt_token_ids"] = self.prompt_token_ids
         return resp
 
@@ -262,8 +267,10 @@ class Assembler:
 
     def _chat_result(self, index: int, state: _Choice) -> dict[str, Any]:
         s = state.strings
-        # Engines open every stream with ``content: ""``; nothing generated is null.
-        msg: dict[str, Any] = {"role": "assistant", "content": "".join(s.get("content", ())) or None}
+        # Engines open every stream with ``content: ""``; nothing generated is null, except
+        # beside tool calls, where vLLM answers ``""``.
+        content = "".join(s.get("content", ())) or ("" if state.tools else None)
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
         for key in ("reasoning", "reasoning_content"):
             if key in s:
                 msg[key] = "".join(s[key])
@@ -285,9 +292,14 @@ class Assembler:
                                     "arguments": "".join(state.function.arguments)}
         logprobs = None
         if state.lp_content is not None or state.lp_refusal is not None:
-            logprobs = {"content": state.lp_content, "refusal": state.lp_refusal}
+            logprobs = {"content": state.lp_content}  # vLLM's shape: no refusal key unless used
+            if state.lp_refusal is not None:
+                logprobs["refusal"] = state.lp_refusal
         return self._tail({"index": index, "message": msg, "logprobs": logprobs}, state)
 
     def _text_result(self, index: int, state: _Choice) -> dict[str, Any]:
-        return self._tail({"index": index, "text": "".join(state.text),
-                           "logprobs": state.lp_text}, state)
+        out = self._tail({"index": index, "text": "".join(state.text),
+                          "logprobs": state.lp_text}, state)
+        if self.expose_ids:
+            out["prompt_token_ids"] = state.prompt_token_ids
+        return out

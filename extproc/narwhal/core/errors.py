@@ -28,7 +28,7 @@ class HttpError(Exception):
     message: str
     type: str
     terminal: str
-    code: str | None = None
+    code: str | int | None = None  # vLLM's envelopes carry the HTTP status as an int
     param: str | None = None
     retry_after: int | None = None
 
@@ -112,6 +112,20 @@ def not_serving(reason: str) -> HttpError:
 
 def engine_failure(message: str) -> HttpError:
     return HttpError(502, message, "upstream_error", FAILED, code="bad_engine_response")
+
+
+def engine_refusal(status: int, error: object) -> HttpError:
+    """The engine's own error envelope, as it answered before generating anything."""
+    err = error if isinstance(error, dict) else {"message": str(error)}
+    message = err.get("message")
+    kind = err.get("type")
+    param = err.get("param")
+    code = err.get("code")
+    return HttpError(status, message if isinstance(message, str) else "engine error",
+                     kind if isinstance(kind, str) else "upstream_error",
+                     INVALID if status < 500 else FAILED,
+                     code=code if isinstance(code, str | int) and not isinstance(code, bool) else None,
+                     param=param if isinstance(param, str) else None)
 
 
 def not_found(path: str) -> HttpError:

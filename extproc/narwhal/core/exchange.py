@@ -17,7 +17,7 @@ from . import errors
 from .assembly import Assembler
 from .engines import EngineState
 from .errors import HttpError
-from .meter import EngineOutputError, Meter
+from .meter import EngineErrorEvent, EngineOutputError, Meter
 from .relay import DONE, Relay
 from .request import COMPLETION_PATHS, CompletionRequest, parse_request, upstream_body
 from .router import Router, TimerHandle
@@ -207,13 +207,14 @@ class Exchange:
         req, ticket = self.request, self.ticket
         assert req is not None and ticket is not None and ticket.engine is not None
         engine = self.engine = ticket.engine
-        self.meter = Meter(req.chat, engine.token_ids)
+        token_ids = engine.token_ids and req.ids_compatible
+        self.meter = Meter(req.chat, token_ids)
         self.parser = SSEParser(self.router.config.serving.max_event_bytes)
         if req.stream:
             self.relay = Relay(req.return_token_ids, req.include_usage)
         else:
             self.assembler = Assembler(req.chat, req.return_token_ids)
-        body = upstream_body(req, engine.token_ids)
+        body = upstream_body(req, token_ids)
         self.phase = Phase.UPSTREAM
         return [
             Headers(False, destination=engine.endpoint,
@@ -296,22 +297,49 @@ class Exchange:
         assert meter is not None and relay is not None
         out: list[bytes] = []
         tokens = 0
-        for raw in self._events(chunk, end_of_stream):
-            if raw == b"[DONE]":
-                out.append(DONE)
-                continue
-            event = _decode(raw)
-            tokens += meter.observe(event)
-            data = relay.event(event, raw)
-            if data is not None:
-                out.append(data)
+        try:
+            for raw in self._events(chunk, end_of_stream):
+                if raw == b"[DONE]":
+                    self._flush_relay(out)
+                    out.append(DONE)
+                    continue
+                event = _decode(raw)
+                tokens += meter.observe(event, raw)
+                data = relay.event(event, raw)
+                if data is not None:
+                    out.append(data)
+        except EngineErrorEvent as exc:
+            if tokens:
+                self._tokens(tokens)
+            return self._stream_error(out, exc)
         if tokens:
             self._tokens(tokens)
         if end_of_stream:
+            self._flush_relay(out)
             self._finish(errors.COMPLETED)
         elif not out:
             return []
         return [Body(True, b"".join(out), end_of_stream)]
+
+    def _flush_relay(self, out: list[bytes]) -> None:
+        assert self.relay is not None
+        held = self.relay.flush()
+        if held is not None:
+            out.append(held)
+
+    def _stream_error(self, out: list[bytes], exc: EngineErrorEvent) -> list[Action]:
+        """An error event: before any token the engine refused the request, and the client
+        gets the engine's own event and ``[DONE]`` as from vLLM directly; after tokens the
+        decode failed, and the client gets Narwhal's error event with no ``[DONE]``."""
+        assert self.meter is not None
+        if self.meter.first_token_seen:
+            self._flush_relay(out)
+            out.append(errors.engine_failure(str(exc)).sse_event())
+            self._finish(errors.FAILED)
+        else:
+            out += (b"data: " + exc.raw + b"\n\n", DONE)
+            self._finish(errors.INVALID if exc.status < 500 else errors.FAILED)
+        return [Body(True, b"".join(out), True)]
 
     def _assemble(self, chunk: bytes, end_of_stream: bool) -> list[Action]:
         meter, assembler = self.meter, self.assembler
@@ -321,12 +349,17 @@ class Exchange:
         if self.response_bytes > limit:
             raise EngineOutputError(f"engine response exceeds serving.max_response_bytes ({limit})")
         tokens = 0
-        for raw in self._events(chunk, end_of_stream):
-            if raw == b"[DONE]":
-                continue
-            event = _decode(raw)
-            tokens += meter.observe(event)
-            assembler.feed(event)
+        try:
+            for raw in self._events(chunk, end_of_stream):
+                if raw == b"[DONE]":
+                    continue
+                event = _decode(raw)
+                tokens += meter.observe(event, raw)
+                assembler.feed(event)
+        except EngineErrorEvent as exc:
+            if meter.first_token_seen or tokens:
+                raise
+            return self._engine_refusal(exc)
         if tokens:
             self._tokens(tokens)
         if not end_of_stream:
@@ -338,6 +371,11 @@ class Exchange:
         return [Headers(True, set=[("content-type", "application/json"),
                                    ("content-length", str(len(body))), *self._info_headers()]),
                 Body(True, body, True)]
+
+    def _engine_refusal(self, exc: EngineErrorEvent) -> list[Action]:
+        """The engine refused the request in its stream before any token: a non-streaming
+        client gets the status and envelope vLLM answers such a request with directly."""
+        return self._refuse(errors.engine_refusal(exc.status, exc.error))
 
     def _tokens(self, n: int) -> None:
         """Output tokens arrived: the first frees the prefill slot; later ones time TPOT."""

@@ -2,6 +2,13 @@
 
 One meter sees every decoded engine event before the relay or the assembler does, so
 output accounting is identical for streaming and non-streaming clients.
+
+With token IDs, every ID an engine sends is an output token, whether or not its event
+shows text: vLLM sends events with an empty delta for tokens that a tool or reasoning
+parser swallows, for partial UTF-8 and for skipped special tokens. The seed's check
+stays on top: an event that does carry generated output must carry a valid ID list.
+Without IDs (dialect ``openai``, or a request whose IDs the engine cannot return), the
+meter counts generating events and, at the end, trusts the engine's own usage.
 """
 
 from __future__ import annotations
@@ -15,27 +22,50 @@ class EngineOutputError(ValueError):
     """Engine output Narwhal cannot accept: malformed, unsupported, or an error event."""
 
 
+class EngineErrorEvent(EngineOutputError):
+    """The engine sent an error event (``data: {"error": ...}``) inside its stream."""
+
+    def __init__(self, error: Any, raw: bytes) -> None:
+        msg = error.get("message") if isinstance(error, dict) else error
+        super().__init__(f"engine reported an error mid-stream: {msg}")
+        self.error = error
+        self.raw = raw
+
+    @property
+    def status(self) -> int:
+        """The HTTP status the engine would answer without a stream: its error's code."""
+        code = self.error.get("code") if isinstance(self.error, dict) else None
+        return code if code.__class__ is int and 400 <= code <= 599 else 502
+
+
 class Meter:
-    __slots__ = ("chat", "token_ids", "output_tokens", "events", "first_token_seen", "usage",
+    __slots__ = ("chat", "token_ids", "counted", "events", "first_token_seen", "usage",
                  "prompt_token_ids")
 
     def __init__(self, chat: bool, token_ids: bool) -> None:
         self.chat = chat
         self.token_ids = token_ids
-        self.output_tokens = 0
+        self.counted = 0
         self.events = 0
         self.first_token_seen = False
         self.usage: dict[str, Any] | None = None
         self.prompt_token_ids: int | None = None
 
-    def observe(self, event: Any) -> int:
+    @property
+    def output_tokens(self) -> int:
+        """Measured output length: counted IDs; without IDs, the engine's usage if it sent one."""
+        if not self.token_ids and self.usage is not None:
+            reported = self.usage.get("completion_tokens")
+            if reported.__class__ is int and reported >= 0:
+                return reported
+        return self.counted
+
+    def observe(self, event: Any, raw: bytes = b"") -> int:
         """Validate one decoded event; return how many output tokens it carried."""
         if event.__class__ is not dict:
             raise EngineOutputError("engine event is not a JSON object")
         if "error" in event:
-            err = event["error"]
-            msg = err.get("message") if isinstance(err, dict) else err
-            raise EngineOutputError(f"engine reported an error mid-stream: {msg}")
+            raise EngineErrorEvent(event["error"], raw)
         choices = event.get("choices")
         if choices.__class__ is not list:
             raise EngineOutputError("engine event has no choices array")
@@ -44,26 +74,30 @@ class Meter:
             if not isinstance(usage, dict):
                 raise EngineOutputError("engine usage is not an object")
             self.usage = usage
-        ptids = event.get("prompt_token_ids")
-        if ptids is not None and self.prompt_token_ids is None and isinstance(ptids, list):
-            self.prompt_token_ids = len(ptids)
+        if self.prompt_token_ids is None:
+            self._prompt_ids(event.get("prompt_token_ids"))
         tokens = 0
         for choice in choices:
             if choice.__class__ is not dict:
                 raise EngineOutputError("engine choice is not an object")
-            if not carries_generation(choice, self.chat):
-                if self.token_ids and choice.get("token_ids") is not None:
-                    count_token_ids(choice)  # still reject Booleans and malformed lists
-                continue
+            if self.prompt_token_ids is None and not self.chat:
+                self._prompt_ids(choice.get("prompt_token_ids"))  # completions: per choice
             if self.token_ids:
-                tokens += count_token_ids(choice)
-            else:
+                if choice.get("token_ids") is not None:
+                    tokens += count_token_ids(choice)
+                elif carries_generation(choice, self.chat):
+                    raise TokenIdError("engine event carries generated output without token_ids")
+            elif carries_generation(choice, self.chat):
                 tokens += 1
         if tokens:
             self.first_token_seen = True
-            self.output_tokens += tokens
+            self.counted += tokens
         self.events += 1
         return tokens
 
+    def _prompt_ids(self, ids: Any) -> None:
+        if ids.__class__ is list:
+            self.prompt_token_ids = len(ids)
 
-__all__ = ["EngineOutputError", "Meter", "TokenIdError"]
+
+__all__ = ["EngineErrorEvent", "EngineOutputError", "Meter", "TokenIdError"]

@@ -30,6 +30,10 @@ class CompletionRequest:
     return_token_ids: bool
     prompt_bytes: int
     max_tokens: int | None
+    # vLLM 0.32 cannot return token IDs together with these: with ``return_token_ids`` it
+    # drops an echoed prompt, and under a tool or reasoning parser ``include_reasoning:
+    # false`` nulls every event's IDs. Such requests are metered from the engine's usage.
+    ids_compatible: bool = True
 
     def prompt_text(self) -> str:
         """The prompt's text parts, for a tokenizer (token-ID prompts have none)."""
@@ -211,6 +215,10 @@ def parse_request(path: str, raw: bytes, model: str) -> CompletionRequest:
     max_tokens = _opt_positive_int(body, "max_tokens")
     max_completion = _opt_positive_int(body, "max_completion_tokens")
     return_ids = _opt_bool(body, "return_token_ids")
+    echo = _opt_bool(body, "echo")
+    include_reasoning = body.get("include_reasoning", True)
+    if not isinstance(include_reasoning, bool):
+        raise invalid_request("'include_reasoning' must be a boolean", "include_reasoning")
     if chat:
         _check_tools(body, stream)
         _check_modalities(body, stream)
@@ -218,11 +226,13 @@ def parse_request(path: str, raw: bytes, model: str) -> CompletionRequest:
         chat=chat, body=body, stream=stream, include_usage=include_usage,
         return_token_ids=return_ids, prompt_bytes=prompt_bytes,
         max_tokens=max_completion if max_completion is not None else max_tokens,
+        ids_compatible=not echo and include_reasoning,
     )
 
 
 def upstream_body(req: CompletionRequest, token_ids: bool) -> bytes:
-    """The engine-bound body: always a usage-reporting stream, IDs where the dialect has them."""
+    """The engine-bound body: always a usage-reporting stream, IDs where the dialect has them
+    (``token_ids``: the engine's dialect supplies them and the request allows them)."""
     body = dict(req.body)
     body["stream"] = True
     options = body.get("stream_options")

@@ -1,0 +1,125 @@
+"""A tiny random-weight Llama for real vLLM, built at test time: no model hub is reachable.
+
+vLLM serves it with ``--load-format dummy`` (random weights), so only the files that
+describe the model are written: ``config.json``, a byte-level BPE ``tokenizer.json``
+trained here with ``tokenizers``, and a ChatML chat template that renders tools the
+way Hermes-style models expect (vLLM's ``hermes`` tool parser looks for the
+``<tool_call>`` tokens, the ``deepseek_r1`` reasoning parser for ``<think>``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                  "<think>", "</think>"]
+VOCAB_SIZE = 4096
+MAX_MODEL_LEN = 2048
+
+# ChatML with Hermes-style tool rendering (the shape of Qwen 2.5's template, shortened).
+CHAT_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+You may call one or more functions. Function signatures are within <tools></tools>:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+
+For each call return a JSON object within <tool_call></tool_call> tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}
+{% endif %}
+{%- for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments }}}
+</tool_call>
+{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{% if message.content is string %}{{ message.content }}{% else %}\
+{% for part in message.content %}{% if part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}\
+{% endif %}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def _corpus() -> list[str]:
+    """Training text: English-ish words, JSON and code punctuation, digits, Unicode."""
+    words = ("the quick brown fox jumps over lazy dog narwhal tusk ocean arctic ice whale pod "
+             "swim deep cold water light wave router engine token prefill decode budget queue "
+             "admit place stream chunk event model pool latency fast slow calm blue green red "
+             "north south east west sun moon star cloud rain snow wind river stone tree leaf "
+             "weather city name location unit celsius fahrenheit search query result value").split()
+    lines = []
+    for i in range(4000):
+        picked = [words[(i * 7 + j * 13) % len(words)] for j in range(12)]
+        lines.append(" ".join(picked))
+        lines.append(json.dumps({"name": picked[0], "arguments": {picked[1]: picked[2], "n": i}}))
+        lines.append(f"def {picked[3]}_{i}(x): return x * {i} + {i % 97}  # {picked[4]}")
+    lines.append("héllo wörld ünïcode 日本語 中文 emoji 🐋🦄 ±×÷ ß ø å")
+    return lines
+
+
+def build(directory: Path) -> Path:
+    """Write the model's files into ``directory`` (created); return it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    vocab = tok.get_vocab_size()
+    eos = tok.token_to_id("<|im_end|>")
+    pad = tok.token_to_id("<|endoftext|>")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "vocab_size": vocab, "max_position_embeddings": MAX_MODEL_LEN,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "bos_token_id": pad, "eos_token_id": eos, "pad_token_id": pad,
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    (directory / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": pad, "eos_token_id": eos, "pad_token_id": pad}))
+    added = {str(tok.token_to_id(t)): {"content": t, "special": t not in (
+        "<tool_call>", "</tool_call>", "<think>", "</think>"), "lstrip": False, "rstrip": False,
+        "normalized": False, "single_word": False} for t in SPECIAL_TOKENS}
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": MAX_MODEL_LEN,
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "unk_token": None, "added_tokens_decoder": added, "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+    }, indent=1))
+    return directory
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(build(Path(sys.argv[1])))
