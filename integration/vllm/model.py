@@ -1,10 +1,16 @@
 """A tiny random-weight Llama for real vLLM, built at test time: no model hub is reachable.
 
-vLLM serves it with ``--load-format dummy`` (random weights), so only the files that
-describe the model are written: ``config.json``, a byte-level BPE ``tokenizer.json``
-trained here with ``tokenizers``, and a ChatML chat template that renders tools the
-way Hermes-style models expect (vLLM's ``hermes`` tool parser looks for the
-``<tool_call>`` tokens, the ``deepseek_r1`` reasoning parser for ``<think>``).
+Written here: ``config.json``, a byte-level BPE ``tokenizer.json`` trained with
+``tokenizers``, a ChatML chat template that renders tools the way Hermes-style models
+expect (vLLM's ``hermes`` tool parser looks for the ``<tool_call>`` tokens, the
+``deepseek_r1`` reasoning parser for ``<think>``), and seeded random weights.
+
+Why weights rather than ``--load-format dummy``: vLLM's dummy weights are uniform in
+±1e-3, so every logit is a near-tie; the order of top logprobs and the sampled token
+then flip with the order of float reductions across CPU threads, and the same request
+sent twice differs. Weights with a spread of logits make the engine reproducible, which
+side-by-side comparison needs. They are written with the engine's own torch
+(``python model.py DIR --weights`` under vLLM's interpreter).
 """
 
 from __future__ import annotations
@@ -119,7 +125,47 @@ def build(directory: Path) -> Path:
     return directory
 
 
+def write_weights(directory: Path, seed: int = 0) -> Path:
+    """Seeded random weights as ``model.safetensors`` (needs torch and safetensors)."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((directory / "config.json").read_text())
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv, head_dim = (cfg["num_attention_heads"], cfg["num_key_value_heads"],
+                           cfg["head_dim"])
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).contiguous()
+
+    tensors = {"model.embed_tokens.weight": normal(vocab, hidden, std=1.0),
+               "model.norm.weight": torch.ones(hidden),
+               # Logits with a standard deviation of about 3: clear winners, no near-ties.
+               "lm_head.weight": normal(vocab, hidden, std=0.3)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+            p + "self_attn.q_proj.weight": normal(heads * head_dim, hidden, std=0.05),
+            p + "self_attn.k_proj.weight": normal(kv * head_dim, hidden, std=0.05),
+            p + "self_attn.v_proj.weight": normal(kv * head_dim, hidden, std=0.05),
+            p + "self_attn.o_proj.weight": normal(hidden, heads * head_dim, std=0.05),
+            p + "mlp.gate_proj.weight": normal(inter, hidden, std=0.05),
+            p + "mlp.up_proj.weight": normal(inter, hidden, std=0.05),
+            p + "mlp.down_proj.weight": normal(hidden, inter, std=0.05),
+        }
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
 if __name__ == "__main__":
     import sys
 
-    print(build(Path(sys.argv[1])))
+    target = Path(sys.argv[1])
+    if "--weights" in sys.argv[2:]:
+        write_weights(target)
+    else:
+        build(target)
+    print(target)

@@ -211,7 +211,8 @@ class Exchange:
         self.meter = Meter(req.chat, token_ids)
         self.parser = SSEParser(self.router.config.serving.max_event_bytes)
         if req.stream:
-            self.relay = Relay(req.return_token_ids, req.include_usage)
+            # Hide only the IDs Narwhal asked for; what the client asked for, it gets.
+            self.relay = Relay(req.return_token_ids or not token_ids, req.include_usage)
         else:
             self.assembler = Assembler(req.chat, req.return_token_ids)
         body = upstream_body(req, token_ids)

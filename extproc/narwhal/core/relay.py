@@ -79,10 +79,9 @@ class Relay:
 
 
 def _ids_only(choice: dict[str, Any]) -> bool:
-    """An event that carried nothing but token IDs once they are gone."""
+    """A chat event that carried nothing but token IDs once they are gone (vLLM sends such
+    an event, ``delta: {}``, only to a client that asked for IDs)."""
     if choice.get("finish_reason") is not None or choice.get("logprobs") is not None:
         return False
-    delta = choice.get("delta")
-    if delta is not None:
-        return not any(v is not None for v in delta.values())
-    return not choice.get("text")
+    delta = choice.get("delta")  # completions' empty-text events vLLM sends all the same
+    return delta is not None and not any(v is not None for v in delta.values())

@@ -1,0 +1,100 @@
+"""The real-vLLM tier: two vLLM 0.32 CPU servers over a tiny random-weight Llama built at
+test time, each behind its own Envoy + Narwhal. Started once per test session.
+
+* ``tools``: ``--enable-auto-tool-choice --tool-call-parser hermes``
+* ``reasoning``: ``--reasoning-parser deepseek_r1``
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from narwhal.launch import Stack
+
+from .engine import SERVED_MODEL, VllmServer, vllm_python
+from .model import build
+
+VARIANTS = {
+    "tools": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+    "reasoning": ["--reasoning-parser", "deepseek_r1"],
+}
+
+
+@dataclass
+class Pair:
+    """One vLLM server, and Envoy + Narwhal in front of it."""
+
+    engine: VllmServer
+    stack: Stack
+
+    def direct(self) -> httpx.Client:
+        return httpx.Client(base_url=self.engine.url, timeout=120)
+
+    def routed(self) -> httpx.Client:
+        return httpx.Client(base_url=self.stack.url, timeout=120)
+
+    def openai(self, routed: bool = True) -> openai.OpenAI:
+        base = self.stack.url if routed else self.engine.url
+        return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def status(self) -> dict:
+        return httpx.get(f"{self.stack.admin_url}/status", timeout=5).json()
+
+    def engine_status(self) -> dict:
+        return self.status()["engines"][0]
+
+    def stack_counts(self) -> dict[str, int]:
+        """Narwhal's terminal classes so far."""
+        return self.status()["requests"]["terminal"]
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tmp_path_factory) -> Iterator[dict[str, VllmServer]]:
+    """Both servers start at once (each ~1 min and ~3 GB on 2 cores)."""
+    root: Path = tmp_path_factory.mktemp("vllm")
+    model = build(root / "model")
+    subprocess.run([vllm_python(), str(Path(__file__).with_name("model.py")), str(model),
+                    "--weights"], check=True, capture_output=True)
+    servers = {name: VllmServer(f"vllm-{name}", model, root, args) for name, args in
+               VARIANTS.items()}
+    try:
+        for server in servers.values():
+            server.spawn()
+        for server in servers.values():
+            server.wait()
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def _pair(server: VllmServer) -> Iterator[Pair]:
+    config = {
+        "serving": {"model": SERVED_MODEL},
+        # Wire fidelity is under test here, not admission: a budget no CPU prefill misses.
+        "admission": {"ttft_target_ms": 120_000},
+        "engines": [{"name": server.name, "url": server.url, "dialect": "vllm"}],
+    }
+    stack = Stack(sims=[], config=config, model=SERVED_MODEL)
+    stack.start()
+    try:
+        yield Pair(server, stack)
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="session")
+def tools_pair(vllm_servers) -> Iterator[Pair]:
+    yield from _pair(vllm_servers["tools"])
+
+
+@pytest.fixture(scope="session")
+def reasoning_pair(vllm_servers) -> Iterator[Pair]:
+    yield from _pair(vllm_servers["reasoning"])

