@@ -45,6 +45,8 @@ def fold_chat(chunks: list[Any]) -> dict[str, Any]:
                 out["finish_reason"] = choice.finish_reason
                 out["stop_reason"] = extra.get("stop_reason")
     out["tool_calls"] = [out["tool_calls"][k] for k in sorted(out["tool_calls"])]
+    if out["tool_calls"] and out["content"] is None:
+        out["content"] = ""  # vLLM's non-streaming message beside tool calls
     return out
 
 
