@@ -112,9 +112,10 @@ def test_text_completion_logprobs_concatenate(client):
 
 
 def test_stop_reason_survives_usage_frame(client):
-    streamed, assembled, chunks = both(client, stop=["zz"])
+    streamed, assembled, chunks = both(client, stop=["zz", "o"])
     assert_same(streamed, assembled)
-    assert assembled["stop_reason"] == "zz" and assembled["finish_reason"] == "stop"
+    assert assembled["stop_reason"] == "o" and assembled["finish_reason"] == "stop"
+    assert "o" not in assembled["content"]  # cut before the stop string, as vLLM does
     assert chunks[-1].choices == [] and chunks[-1].usage is not None  # usage came after
 
 

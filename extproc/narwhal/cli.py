@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     p_sim.add_argument("--slow-start-ms", type=float, default=1500.0,
                        help="first-token delay added by x-sim-fault: slow-start")
     p_sim.add_argument("--reasoning", choices=["none", "reasoning", "reasoning_content", "both"],
-                       default="none")
+                       default="none",
+                       help="emit reasoning as vLLM 0.32 does ('reasoning'), or in the older "
+                            "'reasoning_content' field, or both")
+    p_sim.add_argument("--max-model-len", type=int, default=32768,
+                       help="context length: longer prompt + max_tokens is refused, as by vLLM")
 
     p_demo = sub.add_parser("demo", help="Envoy + narwhal serve + simulated engines on loopback")
     p_demo.add_argument("--config", help="YAML configuration (engines default to simulators)")
@@ -66,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             from .sim.server import run as run_sim
 
             run_sim(args.host, args.port,
-                    SimOptions(model=args.model, dialect=args.dialect, reasoning=args.reasoning),
+                    SimOptions(model=args.model, dialect=args.dialect, reasoning=args.reasoning,
+                               max_model_len=args.max_model_len),
                     Timing(prefill_tps=args.prefill_tps, tpot_ms=args.tpot_ms,
                            max_num_seqs=args.max_num_seqs, batch_slowdown=args.batch_slowdown,
                            slow_start_ms=args.slow_start_ms))

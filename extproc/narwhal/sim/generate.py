@@ -1,13 +1,25 @@
-"""Deterministic output generation in vLLM's OpenAI wire format, without I/O.
+"""Deterministic output generation in vLLM 0.32's OpenAI wire format, without I/O.
 
 The simulator must be faithful to vLLM's wire shape (that is what Narwhal parses in
-production) and deterministic per ``seed`` (tests compare streaming against
-non-streaming output), so generation is a pure function of the request, the
-simulator's options and the fault header.
+production; a conformance test compares the two side by side) and deterministic per
+``seed`` (tests compare streaming against non-streaming output), so generation is a
+pure function of the request, the simulator's options and the fault header.
+
+Facts of vLLM 0.32 reproduced here: the chat role event carries ``prompt_token_ids``
+and ``prompt_text: null`` at the top level and no ``token_ids``; completion events carry
+``prompt_token_ids`` (first event) and ``token_ids`` per choice, ``null`` when not asked
+for; tokens a parser swallows (tool-call markup) are events with an empty delta, sent
+only to clients that asked for IDs or logprobs; a tool call's first fragment is ``{id,
+type, index, function: {name}}`` and the rest carry arguments only, beside ``content:
+null``; ``finish_reason`` is ``tool_calls`` for auto/required, ``stop`` for a named
+function, ``length`` when cut; the usage event carries ``system_fingerprint`` (the
+final choice event does when no usage was asked for); errors found after the stream
+opened are an error event followed by ``[DONE]``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 import zlib
@@ -25,6 +37,9 @@ VOCAB = tuple(
     .split()
 )
 TOKEN_ID_BASE = 1000
+MARKUP_ID = 7  # the id of tool-call markup tokens (``<tool_call>``, ``</tool_call>``)
+SYSTEM_FINGERPRINT = "vllm-0.32.0-narwhalsim"
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 FAULTS = frozenset(
     {
         "omit-token-ids",
@@ -44,11 +59,18 @@ REASONING_MODES = frozenset({"none", "reasoning", "reasoning_content", "both"})
 
 
 class SimRequestError(ValueError):
-    """A request the simulated engine refuses, as vLLM would with a 400."""
+    """A request the simulated engine refuses, with vLLM's status and envelope."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "BadRequestError") -> None:
         super().__init__(message)
         self.param = param
+        self.status = status
+        self.kind = kind
+
+    def envelope(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": self.status}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +78,19 @@ class SimOptions:
     model: str = "narwhal-sim"
     dialect: str = "vllm"
     reasoning: str = "none"
+    max_model_len: int = 32768
+
+
+@dataclass(slots=True)
+class Tok:
+    """One generated token and what a parser makes of it."""
+
+    id: int
+    kind: str  # content | reasoning | refusal | text | markup | tool | function
+    piece: str = ""  # visible text, or a tool / function argument fragment
+    call: int = 0  # tool call index
+    head: bool = False  # the fragment that carries the call's id, type and name
+    word: int = 0
 
 
 @dataclass(slots=True)
@@ -66,6 +101,7 @@ class Plan:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    prompt_text: str
     prompt_tokens: int
     prompt_token_ids: list[int]
     n: int
@@ -74,143 +110,243 @@ class Plan:
     fault: str | None
     output: str | None
     tool_names: list[str]
+    named_tool: bool
     logprobs: bool
     top_logprobs: int
-    stop: str | None
+    stop: list[str]
+    echo: bool
+    include_reasoning: bool
     request_id: str
     created: int
     model: str
     dialect: str
     reasoning: str
-    # Per-choice token plans: list of (kind, token_index) where kind is one of
-    # "reasoning", "content", "refusal", ("tool", call_no), "function".
-    choices: list[list[tuple[Any, int]]] = field(default_factory=list)
+    stream_error: SimRequestError | None = None  # found after the stream opened
+    choices: list[list[Tok]] = field(default_factory=list)
+    finish: list[str] = field(default_factory=list)
+    stop_reasons: list[str | None] = field(default_factory=list)
 
 
-def prompt_text(body: dict[str, Any]) -> str:
-    if "messages" in body:
-        parts: list[str] = []
-        for message in body["messages"]:
-            content = message.get("content")
-            if isinstance(content, str):
-                parts.append(content)
-            elif isinstance(content, list):
-                parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
-        return "\n".join(parts)
-    prompt = body.get("prompt", "")
-    if isinstance(prompt, list):
-        return " ".join(str(p) for p in prompt)
-    return str(prompt)
+def _render(body: dict[str, Any]) -> str:
+    """The prompt as the engine sees it: a ChatML template for chat, tools included."""
+    if "messages" not in body:
+        prompt = body.get("prompt", "")
+        return str(prompt) if not isinstance(prompt, list) else ""
+    parts: list[str] = []
+    tools = body.get("tools")
+    if tools:
+        parts.append("<|im_start|>system\n# Tools\n<tools>\n"
+                     + "\n".join(orjson.dumps(t).decode() for t in tools) + "\n</tools><|im_end|>\n")
+    for message in body["messages"]:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(f"<|im_start|>{message.get('role')}\n{content or ''}<|im_end|>\n")
+    parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
 
 
 def count_prompt_tokens(text: str) -> int:
-    """A 4-bytes-per-token tokenizer: crude, but stable, so routers can learn the ratio."""
+    """A 4-bytes-per-token tokenizer over the rendered prompt: stable, so routers can learn."""
     return max(1, (len(text.encode()) + 3) // 4)
 
 
-def make_plan(body: dict[str, Any], opts: SimOptions, fault: str | None, output: str | None) -> Plan:
+def _int(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise SimRequestError(f"{key} must be an integer", key)
+    return value
+
+
+def _validate(body: dict[str, Any], opts: SimOptions, prompt_tokens: int, chat: bool) -> None:
+    """The refusals vLLM answers before opening a stream (HTTP 400/404 with its envelope)."""
+    model = body.get("model")
+    if model not in (None, opts.model):
+        raise SimRequestError(f"The model `{model}` does not exist.", "model", 404,
+                              "NotFoundError")
+    interval = _int(body, "stream_interval")
+    if interval is not None and interval < 1:
+        raise SimRequestError(
+            "1 validation error:\n  {'type': 'greater_than_equal', 'loc': "
+            "'body.stream_interval', 'msg': 'Input should be greater than or equal to 1'}",
+            "body.stream_interval", kind="Bad Request")
+    temperature = body.get("temperature")
+    if isinstance(temperature, int | float) and temperature < 0:
+        raise SimRequestError(f"temperature must be non-negative, got {float(temperature)}. "
+                              f"(parameter=temperature, value={float(temperature)})", "temperature")
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = _int(body, key)
+        if value is None:
+            continue
+        if value < 1:
+            raise SimRequestError(f"{key} must be at least 1, got {value}.", key)
+        if value > opts.max_model_len - prompt_tokens:
+            raise SimRequestError(
+                f"{key}={value} cannot be greater than max_model_len={opts.max_model_len}. "
+                f"Please request fewer output tokens. (parameter={key}, value={value})", key)
+        break
+    if chat and body.get("logprobs") is False and body.get("top_logprobs"):
+        raise SimRequestError("top_logprobs requires logprobs", "top_logprobs")
+
+
+def _logprob_request(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
+    if chat:
+        return bool(body.get("logprobs")), int(body.get("top_logprobs") or 0)
+    lp = body.get("logprobs")
+    if lp is None or lp is False:
+        return False, 0
+    return True, int(lp) if isinstance(lp, int) else 0
+
+
+def make_plan(body: dict[str, Any], opts: SimOptions, fault: str | None,
+              output: str | None) -> Plan:
     chat = "messages" in body
     if not chat and "prompt" not in body:
         raise SimRequestError("either messages or prompt is required", "messages")
-    if body.get("model") not in (None, opts.model):
-        raise SimRequestError(f"The model `{body.get('model')}` does not exist.", "model")
-    text = prompt_text(body)
-    prompt_tokens = count_prompt_tokens(text)
+    text = _render(body)
+    prompt = body.get("prompt")
+    token_prompt = isinstance(prompt, list) and all(isinstance(p, int) for p in prompt)
+    prompt_ids = ([int(p) for p in prompt] if token_prompt and prompt else
+                  [TOKEN_ID_BASE + (b % len(VOCAB)) for b in text.encode()[::4]] or [TOKEN_ID_BASE])
+    prompt_tokens = len(prompt_ids) if token_prompt else count_prompt_tokens(text)
+    prompt_ids = prompt_ids[:prompt_tokens]
+    _validate(body, opts, prompt_tokens, chat)
     seed = body.get("seed")
     if not isinstance(seed, int) or isinstance(seed, bool):
-        seed = zlib.crc32(orjson.dumps(body.get("messages", body.get("prompt")), option=orjson.OPT_SORT_KEYS))
+        seed = zlib.crc32(orjson.dumps(body.get("messages", body.get("prompt")),
+                                       option=orjson.OPT_SORT_KEYS))
     rng = random.Random(seed)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-        raise SimRequestError("max_tokens must be a positive integer", "max_tokens")
-    n = body.get("n") or 1
     stop = body.get("stop")
-    if isinstance(stop, list):
-        stop = stop[0] if stop else None
+    stops = [stop] if isinstance(stop, str) else [s for s in stop or () if isinstance(s, str)]
     tools = body.get("tools") or []
     tool_choice = body.get("tool_choice")
     tool_names = [t.get("function", {}).get("name", "tool") for t in tools if isinstance(t, dict)]
-    if isinstance(tool_choice, dict):
+    named = isinstance(tool_choice, dict)
+    if named:
         tool_names = [tool_choice.get("function", {}).get("name", "tool")]
     elif tool_choice != "required":
         tool_names = []
-    if output == "multi-tool" and not tool_names:
-        tool_names = ["lookup", "search"]
-    elif output == "multi-tool" and len(tool_names) == 1:
-        tool_names = tool_names * 2
-    elif output != "multi-tool":
-        tool_names = tool_names[:1]
-    if chat:
-        logprobs = bool(body.get("logprobs"))
-        top = int(body.get("top_logprobs") or 0)
+    if output == "multi-tool":
+        tool_names = (tool_names * 2)[:2] if tool_names else ["lookup", "search"]
     else:
-        lp = body.get("logprobs")
-        logprobs = lp is not None and lp is not False
-        top = int(lp) if isinstance(lp, int) and not isinstance(lp, bool) else 0
+        tool_names = tool_names[:1]
+    logprobs, top = _logprob_request(body, chat)
     stream_options = body.get("stream_options") or {}
+    include_reasoning = body.get("include_reasoning", True) is not False
+    ids = opts.dialect == "vllm" and bool(body.get("return_token_ids"))
     plan = Plan(
         chat=chat,
         stream=bool(body.get("stream")),
         include_usage=bool(stream_options.get("include_usage")),
-        return_token_ids=opts.dialect == "vllm" and bool(body.get("return_token_ids")),
+        return_token_ids=ids,
+        prompt_text=text if not token_prompt else "",
         prompt_tokens=prompt_tokens,
-        prompt_token_ids=[TOKEN_ID_BASE + (b % len(VOCAB)) for b in text.encode()[:prompt_tokens]]
-        or [TOKEN_ID_BASE],
-        n=n,
+        prompt_token_ids=prompt_ids,
+        n=body.get("n") or 1,
         max_tokens=max_tokens,
         seed=seed,
         fault=fault,
         output=output if chat else None,
         tool_names=tool_names if chat else [],
+        named_tool=named,
         logprobs=logprobs,
         top_logprobs=top,
-        stop=stop if isinstance(stop, str) else None,
+        stop=stops,
+        echo=not chat and body.get("echo") is True,
+        include_reasoning=include_reasoning,
         request_id=f"{'chatcmpl' if chat else 'cmpl'}-{seed & 0xFFFFFFFF:08x}{rng.getrandbits(32):08x}",
         created=int(time.time()),
         model=opts.model,
         dialect=opts.dialect,
         reasoning=opts.reasoning if chat else "none",
     )
-    for _ in range(n):
-        length = max_tokens if max_tokens is not None else rng.randint(8, 32)
-        plan.choices.append(_choice_plan(plan, length, rng))
+    if logprobs and top > MAX_LOGPROBS:
+        # vLLM checks this in its engine, after a stream has opened.
+        plan.stream_error = SimRequestError(
+            f"Requested sample logprobs of {top}, which is greater than max allowed: "
+            f"{MAX_LOGPROBS} (parameter=logprobs, value={top})", "logprobs")
+    for index in range(plan.n):
+        toks, finish = _choice_tokens(plan, index, rng)
+        plan.choices.append(toks)
+        plan.finish.append(finish[0])
+        plan.stop_reasons.append(finish[1])
     return plan
 
 
-def _choice_plan(plan: Plan, length: int, rng: random.Random) -> list[tuple[Any, int]]:
-    words = [rng.randrange(len(VOCAB)) for _ in range(length)]
-    kinds: list[Any]
-    if plan.output == "refusal":
-        kinds = ["refusal"] * length
-    elif plan.output == "function-call":
-        kinds = ["function"] * length
-    elif plan.tool_names:
-        calls = len(plan.tool_names)
-        kinds = [("tool", min(i * calls // length, calls - 1)) for i in range(length)]
-    elif plan.reasoning != "none":
-        split = length // 2
-        kinds = ["reasoning"] * split + ["content"] * (length - split)
-    else:
-        kinds = ["content"] * length
-    return list(zip(kinds, words, strict=True))
+def _word_tok(rng: random.Random, kind: str) -> Tok:
+    word = rng.randrange(len(VOCAB))
+    return Tok(TOKEN_ID_BASE + word, kind, " " + VOCAB[word], word=word)
 
 
-def finish_reason(plan: Plan) -> str:
-    if plan.output == "function-call":
-        return "function_call"
+def _tool_arguments(words: list[int]) -> list[str]:
+    """Argument fragments that join into a JSON object, one fragment per token."""
+    if len(words) == 1:
+        return [f'{{"q": "{VOCAB[words[0]]}"}}']
+    frags = [f'{{"q": "{VOCAB[words[0]]}']
+    frags += [f" {VOCAB[w]}" for w in words[1:-1]]
+    frags.append(f' {VOCAB[words[-1]]}"}}')
+    return frags
+
+
+def _tool_tokens(plan: Plan, length: int, rng: random.Random) -> list[Tok]:
+    """Each call: ``<tool_call>`` markup, the name, argument fragments, ``</tool_call>``."""
+    calls = len(plan.tool_names)
+    toks: list[Tok] = []
+    for call, name in enumerate(plan.tool_names):
+        budget = max(1, (length - 3 * calls) // calls) if length else rng.randint(3, 10)
+        words = [rng.randrange(len(VOCAB)) for _ in range(budget)]
+        toks.append(Tok(MARKUP_ID, "markup", call=call))
+        toks.append(Tok(TOKEN_ID_BASE + words[0], "tool", name, call=call, head=True,
+                        word=words[0]))
+        toks += [Tok(TOKEN_ID_BASE + w, "tool", frag, call=call, word=w)
+                 for w, frag in zip(words, _tool_arguments(words), strict=True)]
+        toks.append(Tok(MARKUP_ID + 1, "markup", call=call))
+    return toks
+
+
+def _choice_tokens(plan: Plan, index: int, rng: random.Random
+                   ) -> tuple[list[Tok], tuple[str, str | None]]:
+    """The choice's tokens and its (finish_reason, stop_reason)."""
+    cap = plan.max_tokens
+    natural = cap if cap is not None else rng.randint(8, 32)
     if plan.tool_names:
-        return "tool_calls"
-    return "length" if plan.max_tokens is not None else "stop"
+        toks = _tool_tokens(plan, natural if cap is not None else 0, rng)
+        if cap is not None and len(toks) > cap:
+            return toks[:cap], ("length", None)
+        return toks, ("stop" if plan.named_tool else "tool_calls", None)
+    if plan.output == "function-call":
+        words = [rng.randrange(len(VOCAB)) for _ in range(natural)]
+        return ([Tok(TOKEN_ID_BASE + w, "function", f, head=i == 0, word=w)
+                 for i, (w, f) in enumerate(zip(words, _tool_arguments(words), strict=True))],
+                ("function_call", None))
+    if plan.output == "refusal":
+        kinds = ["refusal"] * natural
+    elif not plan.chat:
+        kinds = ["text"] * natural
+    elif plan.reasoning != "none":
+        split = natural // 2
+        kinds = ["reasoning"] * split + ["content"] * (natural - split)
+    else:
+        kinds = ["content"] * natural
+    toks = [_word_tok(rng, kind) for kind in kinds]
+    if plan.stop:
+        text = ""
+        for pos, tok in enumerate(toks):
+            before = len(text)
+            text += tok.piece
+            hits = [(text.find(s, max(0, before - len(s) + 1)), s) for s in plan.stop]
+            hits = [(at, s) for at, s in hits if at >= 0]
+            if hits:
+                at, s = min(hits)
+                tok.piece = tok.piece[:max(0, at - before)]
+                return toks[:pos + 1], ("stop", s)
+    return toks, ("length" if cap is not None else "stop", None)
 
 
-def stop_reason(plan: Plan) -> str | int | None:
-    if plan.max_tokens is not None:
-        return None
-    return plan.stop
-
-
-def _token_ids(plan: Plan, words: list[int]) -> Any:
-    ids = [TOKEN_ID_BASE + w for w in words]
+def _bad_ids(plan: Plan, ids: list[int]) -> Any:
     if plan.fault == "bool-token-id":
         return [True]
     if plan.fault == "malformed-token-ids":
@@ -222,115 +358,69 @@ def _logprob(word: int) -> float:
     return -round(0.05 + (word % 17) / 10.0, 4)
 
 
-def _chat_logprob_entry(plan: Plan, word: int) -> dict[str, Any]:
-    tok = " " + VOCAB[word]
-    top = [
-        {"token": " " + VOCAB[(word + k) % len(VOCAB)], "logprob": _logprob(word + k),
-         "bytes": list((" " + VOCAB[(word + k) % len(VOCAB)]).encode())}
-        for k in range(plan.top_logprobs)
-    ]
-    return {"token": tok, "logprob": _logprob(word), "bytes": list(tok.encode()), "top_logprobs": top}
+def _alt(word: int, k: int) -> str:
+    return " " + VOCAB[(word + k) % len(VOCAB)]
 
 
-def _tool_arguments(words: list[int]) -> list[str]:
-    """Argument fragments that join into a JSON object, one fragment per token."""
-    if not words:
-        return []
-    if len(words) == 1:
-        return [f'{{"q": "{VOCAB[words[0]]}"}}']
-    frags = [f'{{"q": "{VOCAB[words[0]]}']
-    frags += [f" {VOCAB[w]}" for w in words[1:-1]]
-    frags.append(f' {VOCAB[words[-1]]}"}}')
-    return frags
+def _chat_logprob_entry(plan: Plan, tok: Tok) -> dict[str, Any]:
+    top = [{"token": _alt(tok.word, k), "logprob": _logprob(tok.word + k),
+            "bytes": list(_alt(tok.word, k).encode())} for k in range(plan.top_logprobs)]
+    return {"token": tok.piece, "logprob": _logprob(tok.word), "bytes": list(tok.piece.encode()),
+            "top_logprobs": top}
 
 
-@dataclass(slots=True)
-class Step:
-    """One engine iteration's output for one choice: the tokens and their delta."""
-
-    index: int
-    words: list[int]
-    delta: dict[str, Any]
-    text: str
-    logprobs: Any = None
-    finish: bool = False
+def _text_logprobs(plan: Plan, tok: Tok, offset: int) -> dict[str, Any]:
+    # The sampled token plus the N most likely: N + 1 entries when it is not among them.
+    top = {tok.piece: _logprob(tok.word)} | {_alt(tok.word, k): _logprob(tok.word + k)
+                                             for k in range(1, plan.top_logprobs + 1)}
+    return {"text_offset": [offset], "token_logprobs": [_logprob(tok.word)],
+            "tokens": [tok.piece], "top_logprobs": [top]}
 
 
-def steps(plan: Plan) -> Iterator[list[Step]]:
-    """Yield one list of per-choice steps per engine iteration (one token each)."""
-    per_choice = [_choice_steps(plan, i, toks) for i, toks in enumerate(plan.choices)]
-    longest = max(len(s) for s in per_choice)
-    for k in range(longest):
-        yield [s[k] for s in per_choice if k < len(s)]
+def _tool_id(plan: Plan, index: int, call: int) -> str:
+    digest = hashlib.blake2b(f"{plan.seed}/{index}/{call}".encode(), digest_size=8).hexdigest()
+    return f"chatcmpl-tool-{digest}"
 
 
-def _choice_steps(plan: Plan, index: int, toks: list[tuple[Any, int]]) -> list[Step]:
-    out: list[Step] = []
-    # Argument fragments per tool call, laid out over that call's tokens.
-    call_words: dict[int, list[int]] = {}
-    for kind, word in toks:
-        if isinstance(kind, tuple):
-            call_words.setdefault(kind[1], []).append(word)
-    call_frags = {c: _tool_arguments(w) for c, w in call_words.items()}
-    call_pos: dict[int, int] = {}
-    fn_words = [w for k, w in toks if k == "function"]
-    fn_frags = _tool_arguments(fn_words)
-    offset = 0
-    for pos, (kind, word) in enumerate(toks):
-        piece = " " + VOCAB[word]
-        delta: dict[str, Any] = {}
-        text = piece
-        logprobs: Any = None
-        if not plan.chat:
-            logprobs = (
-                {"text_offset": [offset], "token_logprobs": [_logprob(word)], "tokens": [piece],
-                 "top_logprobs": [{" " + VOCAB[(word + k) % len(VOCAB)]: _logprob(word + k)
-                                   for k in range(max(plan.top_logprobs, 1))}]}
-                if plan.logprobs else None
-            )
-            offset += len(piece)
-        elif kind == "content":
-            delta["content"] = piece
-            if plan.logprobs:
-                logprobs = {"content": [_chat_logprob_entry(plan, word)], "refusal": None}
-        elif kind == "reasoning":
-            if plan.reasoning in ("reasoning", "both"):
-                delta["reasoning"] = piece
-            if plan.reasoning in ("reasoning_content", "both"):
-                delta["reasoning_content"] = piece
-        elif kind == "refusal":
-            delta["refusal"] = piece
-            if plan.logprobs:
-                logprobs = {"content": None, "refusal": [_chat_logprob_entry(plan, word)]}
-        elif kind == "function":
-            frag = fn_frags[pos]
-            delta["function_call"] = {"name": "legacy_fn", "arguments": frag} if pos == 0 else {
-                "arguments": frag}
+def _delta(plan: Plan, index: int, tok: Tok) -> dict[str, Any] | None:
+    """The chat delta a token becomes; None when a parser swallows it (markup, hidden
+    reasoning)."""
+    if tok.kind == "markup":
+        return None
+    if tok.kind == "reasoning":
+        if not plan.include_reasoning:
+            return None
+        delta = {}
+        if plan.reasoning in ("reasoning", "both"):
+            delta["reasoning"] = tok.piece
+        if plan.reasoning in ("reasoning_content", "both"):
+            delta["reasoning_content"] = tok.piece
+        return delta
+    if tok.kind == "tool":
+        if tok.head:
+            call = {"id": _tool_id(plan, index, tok.call), "type": "function", "index": tok.call,
+                    "function": {"name": tok.piece}}
         else:
-            call = kind[1]
-            i = call_pos.get(call, 0)
-            call_pos[call] = i + 1
-            frag = call_frags[call][i]
-            if i == 0:
-                tc = {"id": f"chatcmpl-tool-{plan.seed & 0xFFFF:04x}{index}{call}", "type": "function",
-                      "index": call, "function": {"name": plan.tool_names[call], "arguments": frag}}
-            else:
-                tc = {"index": call, "function": {"arguments": frag}}
-            delta["tool_calls"] = [tc]
-        if plan.chat and pos == 1:
-            if plan.fault == "audio":
-                delta["audio"] = {"id": "audio-1", "data": "AAAA", "transcript": "x", "expires_at": 0}
-            elif plan.fault == "annotations":
-                delta["annotations"] = [{"type": "url_citation", "url_citation": {"url": "http://x"}}]
-        out.append(Step(index=index, words=[word], delta=delta, text=text, logprobs=logprobs,
-                        finish=pos == len(toks) - 1))
-    return out
+            call = {"index": tok.call, "function": {"arguments": tok.piece}}
+        return {"content": None, "tool_calls": [call]}
+    if tok.kind == "function":
+        return {"function_call": {"name": "legacy_fn", "arguments": tok.piece}
+                if tok.head else {"arguments": tok.piece}}
+    delta = {tok.kind: tok.piece}
+    if not plan.include_reasoning and plan.reasoning != "none":
+        delta["reasoning"] = None
+    return delta
 
 
-def _usage(plan: Plan) -> dict[str, int]:
+def _usage(plan: Plan) -> dict[str, Any]:
     completion = sum(len(c) for c in plan.choices)
-    return {"prompt_tokens": plan.prompt_tokens, "total_tokens": plan.prompt_tokens + completion,
-            "completion_tokens": completion}
+    usage: dict[str, Any] = {"prompt_tokens": plan.prompt_tokens,
+                             "total_tokens": plan.prompt_tokens + completion,
+                             "completion_tokens": completion}
+    if plan.reasoning != "none":
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(
+            1 for c in plan.choices for t in c if t.kind == "reasoning")}
+    return usage
 
 
 def _base(plan: Plan) -> dict[str, Any]:
@@ -339,131 +429,209 @@ def _base(plan: Plan) -> dict[str, Any]:
             "created": plan.created, "model": plan.model}
 
 
-def stream_events(plan: Plan) -> Iterator[tuple[str, bytes]]:
-    """Yield (kind, SSE bytes) in engine order; kind 'first' marks the first token.
-
-    The kinds let the I/O layer pace output (prefill before 'first', TPOT before each
-    'token') and inject transport faults without this function knowing about time.
-    """
-    vllm = plan.dialect == "vllm"
-    step_no = 0
-    if plan.chat:
-        for index in range(plan.n):
-            choice: dict[str, Any] = {"index": index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}
-            chunk = _base(plan) | {"choices": [choice]}
-            if plan.return_token_ids:
-                choice["token_ids"] = []
-                if index == 0:
-                    chunk["prompt_token_ids"] = plan.prompt_token_ids
-            yield "role", _sse(chunk)
-    for group in steps(plan):
-        for st in group:
-            chunk = _base(plan)
-            if plan.chat:
-                choice = {"index": st.index, "delta": st.delta, "logprobs": st.logprobs,
-                          "finish_reason": None}
-            else:
-                choice = {"index": st.index, "text": st.text, "logprobs": st.logprobs,
-                          "finish_reason": None}
-                if vllm:
-                    choice["stop_reason"] = None
-            if plan.return_token_ids:
-                if not (plan.fault == "omit-token-ids" and step_no == 2):
-                    choice["token_ids"] = _token_ids(plan, st.words)
-                if not plan.chat and step_no == 0 and st.index == 0:
-                    chunk["prompt_token_ids"] = plan.prompt_token_ids
-            chunk["choices"] = [choice]
-            if st.finish:
-                choice["finish_reason"] = finish_reason(plan)
-                if vllm:
-                    choice["stop_reason"] = stop_reason(plan)
-            yield ("first" if step_no == 0 else "token"), _sse(chunk)
-            step_no += 1
-            if plan.fault == "error-event" and step_no == 3:
-                yield "error", _sse({"error": {"message": "simulated engine failure",
-                                                "type": "InternalServerError", "param": None,
-                                                "code": 500}})
-                return
-            if plan.fault == "abrupt-close" and step_no == 3:
-                yield "abort", b""
-                return
-    if plan.include_usage and plan.fault != "omit-usage":
-        yield "usage", _sse(_base(plan) | {"choices": [], "usage": _usage(plan)})
-    yield "done", b"data: [DONE]\n\n"
-
-
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def _events(plan: Plan) -> Iterator[tuple[str, dict[str, Any] | None]]:
+    """(kind, event) in engine order, before faults; kinds: role, token, usage."""
+    vllm = plan.dialect == "vllm"
+    ids = plan.return_token_ids
+    if plan.chat:
+        for index in range(plan.n):
+            chunk = _base(plan) | {"choices": [{"index": index,
+                                                "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]}
+            if vllm:
+                chunk["prompt_token_ids"] = plan.prompt_token_ids if ids else None
+                chunk["prompt_text"] = None
+            yield "role", chunk
+    longest = max(len(c) for c in plan.choices)
+    offsets = [0] * plan.n
+    for pos in range(longest):
+        for index, toks in enumerate(plan.choices):
+            if pos >= len(toks):
+                continue
+            tok = toks[pos]
+            last = pos == len(toks) - 1
+            lp: Any = None
+            if plan.chat:
+                delta = _delta(plan, index, tok)
+                if plan.logprobs and tok.kind in ("content", "refusal") and delta is not None:
+                    lp = {tok.kind: [_chat_logprob_entry(plan, tok)]}
+                if delta is None:
+                    hide = not plan.include_reasoning and plan.reasoning != "none"
+                    if not last and lp is None and (not ids or hide):
+                        yield "token", None  # a token the client never sees
+                        continue
+                    delta = {}
+                choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": lp,
+                                          "finish_reason": None}
+                if vllm:
+                    hidden = not plan.include_reasoning and plan.reasoning != "none"
+                    choice["token_ids"] = [tok.id] if ids and not hidden else None
+            else:
+                text = tok.piece
+                if pos == 0 and plan.echo and not ids:
+                    text = plan.prompt_text + text  # vLLM 0.32 drops the echo with IDs
+                if plan.logprobs:
+                    lp = _text_logprobs(plan, tok, offsets[index])
+                offsets[index] += len(text)
+                choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
+                if vllm:
+                    choice["stop_reason"] = None
+                    choice["prompt_token_ids"] = (plan.prompt_token_ids
+                                                  if pos == 0 and (ids or plan.echo) else None)
+                    choice["token_ids"] = [tok.id] if ids else None
+            chunk = _base(plan) | {"choices": [choice]}
+            if last:
+                choice["finish_reason"] = plan.finish[index]
+                if vllm:
+                    choice["stop_reason"] = plan.stop_reasons[index]
+                if not plan.include_usage:
+                    chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
+            yield "token", chunk
+    if plan.include_usage and plan.fault != "omit-usage":
+        yield "usage", _base(plan) | {"choices": [], "usage": _usage(plan),
+                                      "system_fingerprint": SYSTEM_FINGERPRINT}
+
+
+def stream_events(plan: Plan) -> Iterator[tuple[str, bytes]]:
+    """Yield (kind, SSE bytes) in engine order; kind 'first' marks the first token.
+
+    The kinds let the I/O layer pace output (prefill before 'first', TPOT before each
+    'token', a 'skip' is a token that sends nothing) and inject transport faults without
+    this function knowing about time.
+    """
+    if plan.stream_error is not None:
+        yield "error", _sse(plan.stream_error.envelope())
+        yield "done", b"data: [DONE]\n\n"
+        return
+    step_no = 0
+    for kind, chunk in _events(plan):
+        if kind != "token":
+            yield kind, _sse(chunk) if chunk is not None else b""
+            continue
+        label = "first" if step_no == 0 else "token"
+        step_no += 1
+        if chunk is None:
+            yield ("first" if label == "first" else "skip"), b""
+            continue
+        for choice in chunk["choices"]:
+            ids = choice.get("token_ids")
+            if ids is not None:
+                choice["token_ids"] = _bad_ids(plan, ids)
+            if plan.fault == "omit-token-ids" and step_no == 3:
+                choice.pop("token_ids", None)
+            if plan.chat and step_no == 2:
+                if plan.fault == "audio":
+                    choice["delta"]["audio"] = {"id": "audio-1", "data": "AAAA", "transcript": "x",
+                                                "expires_at": 0}
+                elif plan.fault == "annotations":
+                    choice["delta"]["annotations"] = [
+                        {"type": "url_citation", "url_citation": {"url": "http://x"}}]
+        yield label, _sse(chunk)
+        if plan.fault == "error-event" and step_no == 3:
+            yield "error", _sse({"error": {"message": "simulated engine failure",
+                                           "type": "InternalServerError", "param": None,
+                                           "code": 500}})
+            yield "done", b"data: [DONE]\n\n"
+            return
+        if plan.fault == "abrupt-close" and step_no == 3:
+            yield "abort", b""
+            return
+    yield "done", b"data: [DONE]\n\n"
+
+
 def full_response(plan: Plan) -> dict[str, Any]:
     """The non-streaming response vLLM returns for the same plan."""
+    if plan.stream_error is not None:
+        raise plan.stream_error
     vllm = plan.dialect == "vllm"
+    ids = plan.return_token_ids
     choices: list[dict[str, Any]] = []
-    per_choice: dict[int, list[Step]] = {}
-    for group in steps(plan):
-        for st in group:
-            per_choice.setdefault(st.index, []).append(st)
-    for index in range(plan.n):
-        sts = per_choice.get(index, [])
-        words = [w for st in sts for w in st.words]
+    for index, toks in enumerate(plan.choices):
         choice: dict[str, Any] = {"index": index}
+        token_ids = [t.id for t in toks]
         if plan.chat:
-            msg: dict[str, Any] = {"role": "assistant", "content": None, "refusal": None,
-                                   "annotations": None, "audio": None, "function_call": None,
-                                   "tool_calls": []}
-            content = "".join(st.delta.get("content", "") for st in sts)
-            msg["content"] = content or None
-            reasoning = "".join(st.delta.get("reasoning", st.delta.get("reasoning_content", ""))
-                                for st in sts)
-            if plan.reasoning in ("reasoning", "both"):
-                msg["reasoning"] = reasoning or None
-            if plan.reasoning in ("reasoning_content", "both"):
-                msg["reasoning_content"] = reasoning or None
-            refusal = "".join(st.delta.get("refusal", "") for st in sts)
-            msg["refusal"] = refusal or None
-            fn = [st.delta["function_call"] for st in sts if "function_call" in st.delta]
-            if fn:
-                msg["function_call"] = {"name": fn[0]["name"],
-                                        "arguments": "".join(f["arguments"] for f in fn)}
+            deltas = [d for t in toks if (d := _delta(plan, index, t)) is not None]
+            content = "".join(d.get("content") or "" for d in deltas)
+            refusal = "".join(d.get("refusal") or "" for d in deltas)
+            msg: dict[str, Any] = {"role": "assistant", "content": content or None,
+                                   "refusal": refusal or None, "annotations": None,
+                                   "audio": None, "function_call": None}
             calls: dict[int, dict[str, Any]] = {}
-            for st in sts:
-                for tc in st.delta.get("tool_calls", []):
-                    cur = calls.setdefault(tc["index"], {"id": tc.get("id"), "type": "function",
-                                                          "function": {"name": None, "arguments": ""}})
-                    if "id" in tc:
-                        cur["id"] = tc["id"]
-                    if "name" in tc["function"]:
-                        cur["function"]["name"] = tc["function"]["name"]
-                    cur["function"]["arguments"] += tc["function"]["arguments"]
-            msg["tool_calls"] = [calls[k] for k in sorted(calls)]
+            for d in deltas:
+                for tc in d.get("tool_calls") or ():
+                    cur = calls.setdefault(tc["index"], {"id": None, "type": "function",
+                                                         "function": {"name": None,
+                                                                      "arguments": ""}})
+                    cur["id"] = tc.get("id", cur["id"])
+                    fn = tc["function"]
+                    cur["function"]["name"] = fn.get("name", cur["function"]["name"])
+                    cur["function"]["arguments"] += fn.get("arguments", "")
+            if calls:
+                msg["tool_calls"] = [calls[k] for k in sorted(calls)]
+                msg["content"] = content
+            fn_parts = [d["function_call"] for d in deltas if "function_call" in d]
+            if fn_parts:
+                msg["function_call"] = {"name": "legacy_fn",
+                                        "arguments": "".join(f["arguments"] for f in fn_parts)}
+            if plan.reasoning != "none":
+                reasoning = "".join(t.piece for t in toks if t.kind == "reasoning")
+                shown = reasoning if plan.include_reasoning else ""
+                for key in ("reasoning", "reasoning_content"):
+                    if plan.reasoning in (key, "both"):
+                        msg[key] = shown or None
+                if plan.reasoning == "reasoning_content":
+                    msg["reasoning"] = None
+            else:
+                msg["reasoning"] = None
             choice["message"] = msg
-            if plan.logprobs:
+            entries = [_chat_logprob_entry(plan, t) for t in toks
+                       if t.kind in ("content", "refusal")] if plan.logprobs else None
+            if entries is not None:
                 key = "refusal" if plan.output == "refusal" else "content"
-                entries = [e for st in sts if st.logprobs for e in st.logprobs[key]]
-                choice["logprobs"] = {"content": None, "refusal": None} | {key: entries}
+                choice["logprobs"] = {key: entries}
             else:
                 choice["logprobs"] = None
         else:
-            choice["text"] = "".join(st.text for st in sts)
+            text = "".join(t.piece for t in toks)
+            if plan.echo and not ids:
+                text = plan.prompt_text + text
+            choice["text"] = text
             if plan.logprobs:
                 lp: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [],
                                             "top_logprobs": []}
-                for st in sts:
-                    for key in lp:
-                        lp[key].extend(st.logprobs[key])
+                offset = len(plan.prompt_text) if plan.echo and not ids else 0
+                for t in toks:
+                    for key, values in _text_logprobs(plan, t, offset).items():
+                        lp[key].extend(values)
+                    offset += len(t.piece)
                 choice["logprobs"] = lp
             else:
                 choice["logprobs"] = None
-        choice["finish_reason"] = finish_reason(plan)
+        choice["finish_reason"] = plan.finish[index]
         if vllm:
-            choice["stop_reason"] = stop_reason(plan)
-            if plan.return_token_ids:
-                choice["token_ids"] = [TOKEN_ID_BASE + w for w in words]
+            choice["stop_reason"] = plan.stop_reasons[index]
+            choice["token_ids"] = token_ids if ids else None
+            if not plan.chat:
+                choice["prompt_logprobs"] = None
+                choice["prompt_token_ids"] = plan.prompt_token_ids if ids else None
         choices.append(choice)
-    resp = {"id": plan.request_id, "object": "chat.completion" if plan.chat else "text_completion",
-            "created": plan.created, "model": plan.model, "choices": choices, "usage": _usage(plan)}
-    if plan.return_token_ids:
-        resp["prompt_token_ids"] = plan.prompt_token_ids
+    resp: dict[str, Any] = {"id": plan.request_id,
+                            "object": "chat.completion" if plan.chat else "text_completion",
+                            "created": plan.created, "model": plan.model, "choices": choices}
+    if vllm:
+        resp["service_tier"] = None
+        resp["system_fingerprint"] = SYSTEM_FINGERPRINT
+    usage = _usage(plan)
+    if vllm:
+        usage.setdefault("prompt_tokens_details", None)
+        usage.setdefault("completion_tokens_details", None)
+    resp["usage"] = usage
+    if vllm and plan.chat:
+        resp["prompt_logprobs"] = None
+        resp["prompt_token_ids"] = plan.prompt_token_ids if ids else None
+        resp["prompt_text"] = None
     return resp

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import orjson
@@ -67,23 +68,42 @@ class Engine:
         return web.Response(text="")
 
     async def models(self, request: web.Request) -> web.Response:
-        body = {"object": "list", "data": [{"id": self.opts.model, "object": "model",
-                                            "created": 0, "owned_by": "narwhal-sim",
-                                            "root": self.opts.model, "max_model_len": 32768}]}
-        return web.Response(body=orjson.dumps(body), content_type="application/json")
+        now = int(time.time())
+        card = {"id": self.opts.model, "object": "model", "created": now, "owned_by": "vllm",
+                "root": self.opts.model, "parent": None, "max_model_len": self.opts.max_model_len,
+                "permission": [{"id": f"modelperm-{now:016x}", "object": "model_permission",
+                                "created": now, "allow_create_engine": False,
+                                "allow_sampling": True, "allow_logprobs": True,
+                                "allow_search_indices": False, "allow_view": True,
+                                "allow_fine_tuning": False, "organization": "*", "group": None,
+                                "is_blocking": False}]}
+        return web.Response(body=orjson.dumps({"object": "list", "data": [card]}),
+                            content_type="application/json")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        labels = f'{{model_name="{self.opts.model}"}}'
+        """vLLM's exposition: HELP and TYPE lines, ``engine`` and ``model_name`` labels,
+        float values."""
+        labels = f'{{engine="0",model_name="{self.opts.model}"}}'
         usage = self.running / max(1, self.timing.max_num_seqs)
-        text = (
-            f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{labels} {self.running}\n"
-            f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{labels} {self.waiting}\n"
-            f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{labels} {usage}\n"
-            f"# TYPE vllm:prompt_tokens_total counter\n"
-            f"vllm:prompt_tokens_total{labels} {self.prompt_tokens_total}\n"
-            f"# TYPE vllm:generation_tokens_total counter\n"
-            f"vllm:generation_tokens_total{labels} {self.generation_tokens_total}\n"
+        rows = (
+            ("num_requests_running", "gauge", "Number of requests in model execution batches.",
+             self.running),
+            ("num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+             self.waiting),
+            ("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", usage),
+            ("prefix_cache_queries_total", "counter",
+             "Prefix cache queries, in terms of number of queried tokens.",
+             self.prompt_tokens_total),
+            ("prefix_cache_hits_total", "counter",
+             "Prefix cache hits, in terms of number of cached tokens.", 0),
+            ("prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+             self.prompt_tokens_total),
+            ("generation_tokens_total", "counter", "Number of generation tokens processed.",
+             self.generation_tokens_total),
         )
+        text = "".join(f"# HELP vllm:{name} {doc}\n# TYPE vllm:{name} {kind}\n"
+                       f"vllm:{name}{labels} {float(value)!r}\n"
+                       for name, kind, doc, value in rows)
         return web.Response(text=text, content_type="text/plain")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -103,10 +123,12 @@ class Engine:
                 raise SimRequestError("messages is required" if is_chat else "prompt is required",
                                       "messages" if is_chat else "prompt")
             plan = make_plan(body, self.opts, fault, output)
-        except (orjson.JSONDecodeError, SimRequestError) as exc:
-            err = {"error": {"message": str(exc), "type": "BadRequestError",
-                             "param": getattr(exc, "param", None), "code": 400}}
-            return web.Response(status=400, body=orjson.dumps(err), content_type="application/json")
+        except orjson.JSONDecodeError as exc:
+            return _error(SimRequestError(f"invalid JSON body: {exc}"))
+        except SimRequestError as exc:
+            return _error(exc)
+        if plan.stream_error is not None and not plan.stream:
+            return _error(plan.stream_error)
         self.requests_total += 1
         self.waiting += 1
         try:
@@ -152,7 +174,7 @@ class Engine:
             if kind == "first":
                 # vLLM emits the role chunk with the first token, after prefill.
                 await self._prefill(plan)
-            elif kind == "token" and paced:
+            elif kind in ("token", "skip") and paced:
                 if pending:
                     await resp.write(b"".join(pending))
                     pending.clear()
@@ -163,13 +185,19 @@ class Engine:
                 if request.transport is not None:
                     request.transport.abort()
                 return resp
-            if kind in ("first", "token"):
+            if kind in ("first", "token", "skip"):
                 self.generation_tokens_total += 1
-            pending.append(data)
+            if data:
+                pending.append(data)
         if pending:
             await resp.write(b"".join(pending))
         await resp.write_eof()
         return resp
+
+
+def _error(exc: SimRequestError) -> web.Response:
+    return web.Response(status=exc.status, body=orjson.dumps(exc.envelope()),
+                        content_type="application/json")
 
 
 def run(host: str, port: int, opts: SimOptions, timing: Timing) -> None:
