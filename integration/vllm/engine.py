@@ -16,6 +16,8 @@ from pathlib import Path
 
 from narwhal.launch import LaunchError, Proc, free_port
 
+from .model import MAX_MODEL_LEN
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVED_MODEL = "narwhal-tiny"
 START_TIMEOUT_S = 420.0
@@ -54,7 +56,7 @@ class VllmServer:
                 # Same request, same floats: a prefix-cache hit would change the numerics
                 # of a near-uniform random model enough to flip sampled tokens.
                 "--no-enable-prefix-caching",
-                "--max-num-seqs", "8", "--max-model-len", "2048", "--seed", "0",
+                "--max-num-seqs", "8", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
                 "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         log = self.workdir / f"{self.name}.log"
         with open(log, "wb") as fh:
