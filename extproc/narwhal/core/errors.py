@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import orjson
 
-# Terminal classes (DESIGN §2.8). Every offered request ends in exactly one.
+# Terminal classes. Every offered request ends in exactly one.
 COMPLETED = "completed"
 INVALID = "invalid_requests"
 REJECTED = "rejected"

@@ -1,6 +1,6 @@
 """Client request validation and the upstream rewrite.
 
-Narwhal validates only the fields it interprets (DESIGN §3); everything else is the
+Narwhal validates only the fields it interprets; everything else is the
 engine's business and is forwarded exactly as sent.
 """
 

@@ -61,7 +61,7 @@ class Router:
             listener()
 
     def not_ready_reason(self) -> str | None:
-        """Why the router refuses to serve now, or None when it serves (DESIGN §6)."""
+        """Why the router refuses to serve now, or None when it serves."""
         if self.draining:
             return "draining"
         if self.config.router.role == "standby":
