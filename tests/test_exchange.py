@@ -186,3 +186,48 @@ def test_request_trailers_end_the_body(router):
     h, b, t = ex.request_trailers()
     assert isinstance(h, Headers) and isinstance(b, Body) and isinstance(t, Trailers)
     assert not b.end_of_stream and orjson.loads(b.data)["stream"] is True
+
+
+REFUSAL = (b'data: {"error":{"message":"too many logprobs","type":"BadRequestError",'
+           b'"param":"logprobs","code":400}}\n\ndata: [DONE]\n\n')
+
+
+def test_engine_refusal_in_stream_keeps_status_for_non_streaming(router):
+    """vLLM opens the stream, then refuses (top_logprobs > 20): the client gets vLLM's 400."""
+    ex = Exchange(router)
+    admit(ex)
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
+    (imm,) = ex.response_body(REFUSAL, True)
+    assert isinstance(imm, Immediate) and imm.error.status == 400
+    assert orjson.loads(imm.error.body())["error"] == {
+        "message": "too many logprobs", "type": "BadRequestError", "param": "logprobs",
+        "code": 400}
+    assert router.accounting.terminal["invalid_requests"] == 1
+    assert router.accounting.in_flight == 0 and router.engines[0].in_flight == 0
+
+
+def test_engine_refusal_in_stream_relayed_to_streaming_client(router):
+    ex = Exchange(router)
+    admit(ex, orjson.dumps(orjson.loads(BODY) | {"stream": True}))
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
+    (body,) = ex.response_body(REFUSAL, False)
+    assert body.end_of_stream and body.data == REFUSAL
+    assert router.accounting.terminal["invalid_requests"] == 1
+
+
+def test_engine_error_after_tokens_is_a_failure(router):
+    ex = Exchange(router)
+    up = admit(ex, orjson.dumps(orjson.loads(BODY) | {"stream": True}))
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
+    ex.response_body(engine_stream(up).split(b"\n\n")[1] + b"\n\n", False)  # one token
+    (body,) = ex.response_body(REFUSAL, False)
+    assert b"upstream_error" in body.data and b"[DONE]" not in body.data
+    assert router.accounting.terminal["failed"] == 1
+
+
+def test_echo_is_not_asked_for_token_ids(router):
+    ex = Exchange(router)
+    ex.request_headers({":path": "/v1/completions", ":method": "POST"}, False)
+    h, b = ex.request_body(orjson.dumps({"model": "narwhal-sim", "prompt": "hi", "echo": True}),
+                           True)
+    assert "return_token_ids" not in orjson.loads(b.data)
