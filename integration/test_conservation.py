@@ -68,9 +68,10 @@ def test_offered_equals_terminal_after_concurrent_faults(paced_stack):
         outcomes = list(pool.map(lambda i: one(paced_stack, i), range(n)))
     st = settle(paced_stack)
     req = st["requests"]
-    assert req["in_flight"] == 0
+    assert req["in_flight"] == req["held"] == req["queued"] == 0
     assert req["offered"] == before["offered"] + n
-    assert req["offered"] == sum(req["terminal"].values())
+    # in_flight is counted on its own, so this could fail (a leaked request stays in it).
+    assert req["offered"] == sum(req["terminal"].values()) + req["in_flight"]
     delta = {k: req["terminal"][k] - before["terminal"][k] for k in req["terminal"]}
     assert delta["completed"] >= outcomes.count("ok")
     assert delta["invalid_requests"] == outcomes.count("invalid")

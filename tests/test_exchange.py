@@ -231,3 +231,71 @@ def test_echo_is_not_asked_for_token_ids(router):
     h, b = ex.request_body(orjson.dumps({"model": "narwhal-sim", "prompt": "hi", "echo": True}),
                            True)
     assert "return_token_ids" not in orjson.loads(b.data)
+
+
+@pytest.mark.parametrize("header", ["x-request-timeout-ms", "x-slo-ttft-ms"])
+@pytest.mark.parametrize("value", ["\u00b2", "1\u00b2", "\u0663", "", "-5", "0", "1e3"])
+def test_millisecond_headers_accept_ascii_digits_only(router, header, value):
+    (imm,) = Exchange(router).request_headers(HDRS | {header: value}, False)
+    assert imm.error.status == 400 and imm.error.param == header
+    assert router.held == 0 and router.accounting.in_flight == 0
+
+
+def test_millisecond_headers_clamp(router):
+    adm = router.config.admission
+    ex = Exchange(router)
+    ex.request_headers(HDRS | {"x-slo-ttft-ms": "9" * 5000, "x-request-timeout-ms": "99999999999"},
+                       False)
+    assert ex.budget_s == adm.max_ttft_target_ms / 1000
+    assert ex.deadline - ex.arrival == pytest.approx(adm.request_timeout_ms / 1000)
+
+
+@pytest.mark.parametrize("length", ["\u00b2", "9" * 5000])
+def test_content_length_never_crashes(router, length):
+    out = Exchange(router).request_headers(HDRS | {"content-length": length}, False)
+    assert out == [] or out[0].error.status == 413
+
+
+def test_second_request_headers_on_one_stream_is_ignored(router):
+    ex = Exchange(router)
+    assert ex.request_headers(HDRS, False) == []
+    assert ex.request_headers(HDRS, False) == []
+    acct = router.accounting
+    assert acct.offered == 1 and router.held == 1 and acct.in_flight == 1
+    ex.close()
+    assert router.held == 0 and acct.in_flight == 0 and acct.balanced()
+
+
+def test_in_flight_is_counted_not_derived(router):
+    ex = Exchange(router)
+    ex.request_headers(HDRS, False)
+    acct = router.accounting
+    assert acct.in_flight == 1 and acct.balanced()
+    acct.terminal["completed"] += 1  # a terminal counted without its exchange ending
+    assert not acct.balanced()
+
+
+def test_too_deep_body_is_a_400(router):
+    ex = Exchange(router)
+    ex.request_headers(HDRS, False)
+    deep = b'{"model": "narwhal-sim", "messages": [{"role": "user", "content": "x"}], "x": ' + \
+        b"[" * 300 + b"]" * 300 + b"}"
+    (imm,) = ex.request_body(deep, True)
+    assert imm.error.status == 400 and "deeper" in imm.error.message
+
+
+def test_failure_at_queue_dispatch_stays_in_its_request(router, monkeypatch):
+    """A request failing when the queue wakes it must not raise into the caller's turn."""
+    ex = Exchange(router)
+    sent = []
+    ex.sink = sent.append
+    ex.request_headers(HDRS, False)
+    ex.request_body(BODY, True)
+
+    def boom(self):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(Exchange, "_upstream", boom)
+    ex.dispatched_from_queue()  # must not raise
+    (imm,) = sent[0]
+    assert imm.error.status == 500 and router.accounting.terminal["failed"] == 1

@@ -39,6 +39,8 @@ class Admission:
     queue_limit: int = 256
     max_wait_ms: int = 10_000
     request_timeout_ms: int = 600_000
+    # The largest TTFT budget a client may ask for with x-slo-ttft-ms (larger ones clamp).
+    max_ttft_target_ms: int = 60_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +123,8 @@ CHOICES = {
 POSITIVE = {
     "serving.max_request_bytes", "serving.max_event_bytes", "serving.max_response_bytes",
     "admission.ttft_target_ms", "admission.retention_limit", "admission.max_wait_ms",
-    "admission.request_timeout_ms", "scheduler.max_prefill_per_engine",
+    "admission.request_timeout_ms", "admission.max_ttft_target_ms",
+    "scheduler.max_prefill_per_engine",
     "scheduler.max_decode_per_engine", "telemetry.health_interval_ms",
     "telemetry.health_timeout_ms", "telemetry.stale_after_ms", "engines.prefill_tps",
     "engines.tpot_ms", "sizing.bytes_per_token", "engines.interval_ms",
@@ -226,6 +229,10 @@ def parse(data: Any) -> Config:
     hints = typing.get_type_hints(Config)
     for name in sections - {"engines"}:
         kwargs[name] = _build(hints[name], data.get(name), name)
+    adm = kwargs["admission"]
+    if adm.ttft_target_ms > adm.max_ttft_target_ms:
+        raise ConfigError(f"admission.ttft_target_ms: {adm.ttft_target_ms} exceeds "
+                          f"admission.max_ttft_target_ms ({adm.max_ttft_target_ms})")
     return Config(**kwargs)
 
 

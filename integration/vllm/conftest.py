@@ -79,7 +79,7 @@ def _pair(server: VllmServer) -> Iterator[Pair]:
     config = {
         "serving": {"model": SERVED_MODEL},
         # Wire fidelity is under test here, not admission: a budget no CPU prefill misses.
-        "admission": {"ttft_target_ms": 120_000},
+        "admission": {"ttft_target_ms": 120_000, "max_ttft_target_ms": 120_000},
         "engines": [{"name": server.name, "url": server.url, "dialect": "vllm"}],
     }
     stack = Stack(sims=[], config=config, model=SERVED_MODEL)

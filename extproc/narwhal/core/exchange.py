@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
+import logging
+
 import orjson
 
 from . import errors
@@ -25,6 +27,7 @@ from .scheduler import Dispatch, Queued, Refuse, Ticket
 from .sse import SSEError, SSEParser
 from .tokens import TokenIdError
 
+log = logging.getLogger("narwhal.exchange")
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
 SLO_HEADER = "x-slo-ttft-ms"
@@ -113,13 +116,17 @@ class Exchange:
 
     # -- request ---------------------------------------------------------------
     def request_headers(self, headers: dict[str, str], end_of_stream: bool) -> list[Action]:
+        if self.phase is not Phase.REQUEST_HEADERS:
+            # A peer that sends request headers twice on one stream gets nothing for the
+            # second: counting it again would hold a retention slot no terminal releases.
+            return []
         path = headers.get(":path", "").split("?", 1)[0]
         self.path = path
         method = headers.get(":method", "")
         if path not in COMPLETION_PATHS:
             return self._passthrough_headers(end_of_stream)
         self.completion = True
-        self.router.accounting.offered += 1
+        self.router.accounting.offer()
         if method != "POST":
             return self._refuse(errors.HttpError(405, f"{path} takes POST",
                                                  "invalid_request_error", errors.INVALID))
@@ -128,7 +135,7 @@ class Exchange:
             return self._refuse(errors.not_serving(reason))
         limit = self.router.config.serving.max_request_bytes
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
+        if length is not None and _decimal(length, limit + 1) > limit:
             return self._refuse(errors.request_too_large(limit))
         adm = self.router.config.admission
         if self.router.held >= adm.retention_limit:
@@ -136,9 +143,9 @@ class Exchange:
         self.router.held += 1
         self.held = True
         try:
-            budget_ms = _ms_header(headers, SLO_HEADER, adm.ttft_target_ms)
-            timeout_ms = min(_ms_header(headers, TIMEOUT_HEADER, adm.request_timeout_ms),
-                             adm.request_timeout_ms)
+            budget_ms = _ms_header(headers, SLO_HEADER, adm.ttft_target_ms, adm.max_ttft_target_ms)
+            timeout_ms = _ms_header(headers, TIMEOUT_HEADER, adm.request_timeout_ms,
+                                    adm.request_timeout_ms)
         except HttpError as exc:
             return self._refuse(exc)
         now = self.router.clock()
@@ -199,9 +206,16 @@ class Exchange:
         return self._upstream()
 
     def dispatched_from_queue(self) -> None:
-        """The scheduler placed this queued request: send it upstream now."""
-        self._arm(self.deadline)
-        self.sink(self._upstream())
+        """The scheduler placed this queued request: send it upstream now. Called from
+        another exchange's or a background loop's turn, so a failure here must end this
+        request alone."""
+        try:
+            self._arm(self.deadline)
+            actions = self._upstream()
+        except Exception as exc:
+            log.exception("queued request failed at dispatch")
+            actions = self.internal_error(exc)
+        self.sink(actions)
 
     def _upstream(self) -> list[Action]:
         req, ticket = self.request, self.ticket
@@ -238,7 +252,7 @@ class Exchange:
     # -- response --------------------------------------------------------------
     def response_headers(self, headers: dict[str, str], end_of_stream: bool) -> list[Action]:
         status = headers.get(":status", "0")
-        self.status = int(status) if status.isdigit() else 0
+        self.status = _decimal(status, 999)
         if not self.completion:
             return [Headers(True)]
         if self.phase is not Phase.UPSTREAM:
@@ -439,7 +453,7 @@ class Exchange:
         self.phase = Phase.DONE
         router = self.router
         acct = router.accounting
-        acct.terminal[terminal] += 1
+        acct.end(terminal)
         if not self.sized:
             acct.unsized_offered += 1
         if self.held:
@@ -511,14 +525,27 @@ def _drop(actions: list[Action]) -> None:
     pass
 
 
-def _ms_header(headers: dict[str, str], name: str, default: int) -> int:
+def _decimal(value: str, cap: int) -> int:
+    """A header's non-negative decimal value, saturating at ``cap``; -1 if it is not one.
+    ASCII digits only: ``str.isdigit`` also accepts characters such as superscript two,
+    which ``int`` refuses; and the length is bounded before ``int`` sees it."""
+    if not (value.isascii() and value.isdigit()):
+        return -1
+    if len(value) > len(str(cap)):
+        return cap
+    return min(int(value), cap)
+
+
+def _ms_header(headers: dict[str, str], name: str, default: int, cap: int) -> int:
+    """A positive millisecond header, clamped to ``cap``; the default when absent."""
     value = headers.get(name)
     if value is None:
         return default
-    if not value.isdigit() or int(value) <= 0:
+    ms = _decimal(value.strip(), cap)
+    if ms <= 0:
         raise errors.invalid_request(f"header {name} must be a positive integer of milliseconds",
                                      name)
-    return int(value)
+    return ms
 
 
 def _decode(raw: bytes) -> object:

@@ -17,6 +17,7 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 COMPLETION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
 TOOL_CHOICE_WORDS = frozenset({"none", "auto", "required"})
+MAX_DEPTH = 254  # orjson's serialisation limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +183,13 @@ def parse_request(path: str, raw: bytes, model: str) -> CompletionRequest:
         raise invalid_request(f"Request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise invalid_request("Request body must be a JSON object")
+    try:
+        # The body goes upstream re-serialised; orjson writes at most 254 levels of nesting
+        # but reads up to 1024. Found here, a too-deep body is this request's 400, not a
+        # failure later inside another request's queue wake-up.
+        orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        raise invalid_request(f"Request body nests deeper than {MAX_DEPTH} levels") from None
     chat = path == CHAT_PATH
     requested = body.get("model")
     if requested is not None:

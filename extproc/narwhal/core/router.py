@@ -46,6 +46,7 @@ class Router:
         self.draining = False
         self.fenced = False
         self.started = False  # the first telemetry round has completed
+        self.heartbeat: float | None = None  # when the last telemetry round completed
         self.listeners: list[Callable[[], None]] = []
 
     @property
@@ -75,6 +76,15 @@ class Router:
         if self.scheduler.all_stale(self.clock()):
             return "monitoring-degraded"
         return None
+
+    def live(self) -> bool:
+        """False once background telemetry has not completed a round for three intervals
+        (and at least the staleness window): the process cannot recover by itself."""
+        if self.heartbeat is None:
+            return True  # no telemetry loop (pure tests)
+        cfg = self.config.telemetry
+        window = max(3 * cfg.health_interval_ms, cfg.stale_after_ms) / 1000
+        return self.clock() - self.heartbeat <= window
 
     def wake(self, tickets: list[Ticket]) -> None:
         """Tickets the scheduler dispatched from the queue: their exchanges send now."""

@@ -32,7 +32,9 @@ def admin_app(router: Router) -> web.Application:
         return _json({"ready": False, "reason": reason}, status=503)
 
     async def live(request: web.Request) -> web.Response:
-        return _json({"live": True})
+        if router.live():
+            return _json({"live": True})
+        return _json({"live": False, "reason": "telemetry loop stalled"}, status=503)
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry),

@@ -74,8 +74,17 @@ async def check_once(router: Router, session: aiohttp.ClientSession) -> None:
 
 
 async def telemetry_loop(router: Router) -> None:
+    """Health rounds forever. A round that fails is logged and the loop goes on; each
+    round that completes is a heartbeat, and ``/live`` turns red when heartbeats stop
+    (a loop that keeps failing, or one that died), so that a liveness probe restarts
+    the router instead of leaving it refusing everything as monitoring-degraded."""
     interval = router.config.telemetry.health_interval_ms / 1000
+    router.heartbeat = router.clock()
     async with aiohttp.ClientSession() as session:
         while True:
-            await check_once(router, session)
+            try:
+                await check_once(router, session)
+                router.heartbeat = router.clock()
+            except Exception:
+                log.exception("telemetry round failed")
             await asyncio.sleep(interval)
