@@ -7,11 +7,10 @@ terminal class.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
-
-import logging
 
 import orjson
 
