@@ -166,3 +166,25 @@ def test_malformed_supported_fields(event):
 def test_stream_without_finish_reason_is_malformed():
     with pytest.raises(EngineOutputError, match="finish_reason"):
         assemble([ev(ch({"content": "a"}))])
+
+
+def test_many_tool_id_fragments_are_linear():
+    """60k id fragments once stalled the loop for 12 s (each compared with the joined id)."""
+    import time
+
+    a = Assembler(True, False)
+    start = time.process_time()
+    for i in range(60_000):
+        a.feed(ev(ch({"tool_calls": [{"index": 0, "id": "ab"[i % 2],
+                                      "function": {"name": "f" if i == 0 else ""}}]})))
+    assert time.process_time() - start < 3.0
+    a.feed(ev(ch({}, finish_reason="tool_calls")))
+    call = a.result(USAGE)["choices"][0]["message"]["tool_calls"][0]
+    assert len(call["id"]) == 60_000
+
+
+@pytest.mark.parametrize("bad", [5, "1,2", {"a": 1}])
+def test_non_list_token_ids_are_a_malformed_output(bad):
+    with pytest.raises(EngineOutputError):
+        assemble([ev(ch({"content": "a"}, token_ids=bad)), ev(ch({}, finish_reason="stop"))],
+                 expose=True)

@@ -44,3 +44,41 @@ def test_utf8_split_inside_a_character():
     cut = raw.index("é".encode()) + 1
     p = SSEParser()
     assert p.feed(raw[:cut]) + p.feed(raw[cut:]) == ['{"c": "né"}'.encode()]
+
+
+def test_event_size_bound_is_the_same_however_chunked():
+    stream = b"data: " + b"x" * 10 + b"\ndata: " + b"y" * 10 + b"\n\n"
+    for size in (1, 3, 7, len(stream)):
+        p = SSEParser(max_event_bytes=33)  # the event's raw bytes: 34
+        with pytest.raises(SSEError):
+            for i in range(0, len(stream), size):
+                p.feed(stream[i:i + size])
+        p = SSEParser(max_event_bytes=34)
+        out = []
+        for i in range(0, len(stream), size):
+            out += p.feed(stream[i:i + size])
+        assert out == [b"x" * 10 + b"\n" + b"y" * 10]
+
+
+def test_many_data_lines_are_linear():
+    """520k one-byte data lines (3.6 MB) used to stall the loop for seconds."""
+    import time
+
+    p = SSEParser(max_event_bytes=5_000_000)
+    stream = b"data: x\n" * 520_000 + b"\n"
+    start = time.process_time()
+    (event,) = p.feed(stream)
+    assert len(event) == 2 * 520_000 - 1
+    assert time.process_time() - start < 2.0  # quadratic joining took 26 s here
+
+
+def test_a_line_in_one_byte_chunks_is_linear():
+    import time
+
+    p = SSEParser(max_event_bytes=600_000)
+    start = time.process_time()
+    for _ in range(500_000):
+        p.feed(b"x")
+    assert time.process_time() - start < 2.0
+    with pytest.raises(SSEError):
+        p.feed(b"y" * 200_000)

@@ -38,11 +38,15 @@ def _unsupported(what: str) -> EngineOutputError:
     return EngineOutputError(f"unsupported engine output for a non-streaming response: {what}")
 
 
-def _join_repeat_aware(parts: list[str], frag: str) -> None:
-    """Concatenate, except that a fragment repeating the whole value so far is a repeat."""
-    if parts and frag == "".join(parts):
-        return
+def _join_repeat_aware(parts: list[str], frag: str, size: int) -> int:
+    """Concatenate, except that a fragment repeating the whole value so far is a repeat
+    (some engines resend a call's id and name). ``size`` is the value's length so far,
+    so that the value is joined only when a fragment is as long as it: linear overall.
+    Returns the new length."""
+    if parts and len(frag) == size and frag == "".join(parts):
+        return size
     parts.append(frag)
+    return size + len(frag)
 
 
 @dataclass(slots=True)
@@ -50,6 +54,8 @@ class _ToolCall:
     id: list[str] = field(default_factory=list)
     name: list[str] = field(default_factory=list)
     arguments: list[str] = field(default_factory=list)
+    id_size: int = 0
+    name_size: int = 0
 
 
 @dataclass(slots=True)
@@ -83,6 +89,8 @@ class Assembler:
                 self.meta[key] = value
         ptids = event.get("prompt_token_ids")
         if ptids is not None and self.prompt_token_ids is None:
+            if ptids.__class__ is not list:
+                raise _bad("prompt_token_ids is not an array")
             self.prompt_token_ids = ptids
         for choice in event["choices"]:
             index = choice.get("index", 0)
@@ -112,9 +120,13 @@ class Assembler:
         if self.expose_ids:
             ids = choice.get("token_ids")
             if ids:
+                if ids.__class__ is not list:
+                    raise _bad("token_ids is not an array")  # engines without ID checks
                 state.token_ids.extend(ids)
             ptids = choice.get("prompt_token_ids")
             if ptids is not None and state.prompt_token_ids is None:
+                if ptids.__class__ is not list:
+                    raise _bad("prompt_token_ids is not an array")
                 state.prompt_token_ids = ptids
 
     def _chat_choice(self, state: _Choice, choice: dict[str, Any]) -> None:
@@ -183,7 +195,7 @@ class Assembler:
             if cid is not None:
                 if not isinstance(cid, str):
                     raise _bad("tool call id is not a string")
-                _join_repeat_aware(tc.id, cid)
+                tc.id_size = _join_repeat_aware(tc.id, cid, tc.id_size)
             fn = call.get("function")
             if fn is not None:
                 self._fragments(tc, fn, "tool call function")
@@ -204,7 +216,7 @@ class Assembler:
         if name is not None:
             if not isinstance(name, str):
                 raise _bad(f"{what} name is not a string")
-            _join_repeat_aware(tc.name, name)
+            tc.name_size = _join_repeat_aware(tc.name, name, tc.name_size)
         args = fn.get("arguments")
         if args is not None:
             if not isinstance(args, str):

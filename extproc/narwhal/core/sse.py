@@ -2,8 +2,12 @@
 
 Engines' chunks split anywhere: inside a line, between ``\\r`` and ``\\n``, inside a
 UTF-8 sequence. The parser keeps the partial line and yields only complete events'
-``data`` payloads; comments and other fields are dropped. The pending buffer is
-bounded, because engine output is not trusted.
+``data`` payloads; comments and other fields are dropped.
+
+Engine output is not trusted, so the work is linear and the memory bounded: an event's
+``data`` lines and a partial line are kept as lists of pieces, joined once, and one
+bound applies to the raw bytes of the current event received so far (its lines and the
+partial line), so the same stream fails the same way however it is chunked.
 """
 
 from __future__ import annotations
@@ -14,15 +18,33 @@ class SSEError(ValueError):
 
 
 class SSEParser:
-    __slots__ = ("_buf", "_data", "_max")
+    __slots__ = ("_pending", "_pending_size", "_data", "_size", "_max")
 
     def __init__(self, max_event_bytes: int = 1_048_576) -> None:
-        self._buf = b""
-        self._data: bytes | None = None
+        self._pending: list[bytes] = []  # pieces of the current, unterminated line
+        self._pending_size = 0
+        self._data: list[bytes] | None = None  # the current event's data lines
+        self._size = 0  # raw bytes of the current event's complete lines
         self._max = max_event_bytes
 
+    def _check(self) -> None:
+        if self._size + self._pending_size > self._max:
+            raise SSEError(f"engine event exceeds {self._max} bytes")
+
     def feed(self, chunk: bytes) -> list[bytes]:
-        buf = self._buf + chunk if self._buf else chunk
+        if b"\n" not in chunk:
+            if chunk:
+                self._pending.append(chunk)
+                self._pending_size += len(chunk)
+                self._check()
+            return []
+        if self._pending:
+            self._pending.append(chunk)
+            buf = b"".join(self._pending)
+            self._pending = []
+            self._pending_size = 0
+        else:
+            buf = chunk
         events: list[bytes] = []
         start = 0
         find = buf.find
@@ -31,14 +53,18 @@ class SSEParser:
             if nl < 0:
                 break
             line = buf[start:nl]
+            self._size += nl + 1 - start
             start = nl + 1
             if line[-1:] == b"\r":
                 line = line[:-1]
             if not line:
                 if self._data is not None:
-                    events.append(self._data)
+                    events.append(self._data[0] if len(self._data) == 1
+                                  else b"\n".join(self._data))
                     self._data = None
+                self._size = 0
                 continue
+            self._check()
             if line[0] == 0x3A:  # ':' comment / keep-alive
                 continue
             name, sep, value = line.partition(b":")
@@ -48,18 +74,22 @@ class SSEParser:
                 value = value[1:]
             if not sep:
                 value = b""
-            self._data = value if self._data is None else self._data + b"\n" + value
-            if len(self._data) > self._max:
-                raise SSEError(f"engine event exceeds {self._max} bytes")
-        self._buf = buf[start:] if start < len(buf) else b""
-        if len(self._buf) > self._max:
-            raise SSEError(f"engine event exceeds {self._max} bytes")
+            if self._data is None:
+                self._data = [value]
+            else:
+                self._data.append(value)
+        if start < len(buf):
+            rest = buf[start:]
+            self._pending = [rest]
+            self._pending_size = len(rest)
+            self._check()
         return events
 
     def close(self) -> list[bytes]:
         """End of stream: a final event without its blank line still counts."""
-        events = self.feed(b"\n") if self._buf else []
+        events = self.feed(b"\n") if self._pending else []
         if self._data is not None:
-            events.append(self._data)
+            events.append(b"\n".join(self._data))
             self._data = None
+            self._size = 0
         return events
