@@ -230,11 +230,41 @@ def test_predictions_track_measurements(predictive):
 
 @pytest.fixture(scope="module")
 def pair():
-    yield from _stack([SimSpec("e1"), SimSpec("e2")], {"telemetry": {"stale_after_ms": 1000}})
+    yield from _stack([SimSpec("e1"), SimSpec("e2")],
+                      {"telemetry": {"stale_after_ms": 1000, "admin_token": ADMIN_TOKEN}})
 
 
-def admin(stack: Stack, method: str, path: str, body: dict | None = None) -> httpx.Response:
-    return httpx.request(method, f"{stack.admin_url}{path}", json=body, timeout=5)
+ADMIN_TOKEN = "test-admin-token"
+
+
+def admin(stack: Stack, method: str, path: str, body: dict | None = None,
+          token: str | None = ADMIN_TOKEN, **kw) -> httpx.Response:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    return httpx.request(method, f"{stack.admin_url}{path}", json=body, timeout=5,
+                         headers=headers | kw.pop("headers", {}), **kw)
+
+
+@pytest.mark.parametrize("path", ["/admin/fence", "/admin/maintenance"])
+def test_admin_mutations_need_the_token(pair, path):
+    body = {"all": True}
+    assert admin(pair, "POST", path, body, token=None).status_code == 401
+    resp = admin(pair, "POST", path, body, token="wrong")
+    assert resp.status_code == 401 and resp.headers["www-authenticate"].startswith("Bearer")
+    # A browser's cross-site "simple request" can only send text/plain: refused.
+    resp = httpx.post(f"{pair.admin_url}{path}", content=b'{"all": true}', timeout=5,
+                      headers={"content-type": "text/plain",
+                               "authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert resp.status_code == 415
+    st = status(pair)
+    assert st["ready"] and not any(e["maintenance"] for e in st["engines"])
+    assert post(pair, {"max_tokens": 1}).status_code == 200
+
+
+def test_admin_mutations_disabled_without_a_configured_token(stack):
+    resp = httpx.post(f"{stack.admin_url}/admin/fence", timeout=5,
+                      headers={"authorization": "Bearer anything"})
+    assert resp.status_code == 403 and "admin_token" in resp.json()["error"]
+    assert httpx.get(f"{stack.admin_url}/ready", timeout=5).status_code == 200
 
 
 def test_maintenance_moves_placement_and_whole_wave_refuses(pair):

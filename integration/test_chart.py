@@ -28,6 +28,12 @@ FEATURES = {
     "istio": ["--set", "mode=gateway", "--set", "istio.envoyFilter.enabled=true"],
     "no-pdb": ["--set", "podDisruptionBudget.enabled=false"],
     "expose-extproc": ["--set", "service.exposeExtproc=true"],
+    "admin-token": ["--set", "admin.token=s3cret"],
+    "admin-secret": ["--set", "admin.existingSecret=ops-narwhal", "--set", "admin.tokenKey=tk",
+                     "--set", "mode=gateway"],
+    "admin-scrapers": ["--set-json", 'admin.networkPolicy.from=[{"namespaceSelector": '
+                       '{"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]'],
+    "no-network-policy": ["--set", "admin.networkPolicy.enabled=false"],
 }
 
 
@@ -129,6 +135,46 @@ def test_gateway_mode_exposes_extproc_and_points_the_pool_at_it():
     (pool,) = by_kind(docs, "InferencePool")
     assert pool["spec"]["endpointPickerRef"] == {
         "name": svc["metadata"]["name"], "port": {"number": 9002}, "failureMode": "FailClose"}
+
+
+def test_admin_token_comes_from_a_secret_file():
+    docs = render(FEATURES["admin-token"])
+    (secret,) = by_kind(docs, "Secret")
+    (cm,) = by_kind(docs, "ConfigMap")
+    cfg = parse(yaml.safe_load(cm["data"]["narwhal.yaml"]))
+    assert cfg.telemetry.admin_token_file == "/etc/narwhal-admin/token"
+    assert cfg.telemetry.admin_token == ""  # never in the ConfigMap
+    (dep,) = by_kind(docs, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    (vol,) = [v for v in pod["volumes"] if v["name"] == "admin-token"]
+    assert vol["secret"]["secretName"] == secret["metadata"]["name"]
+    mounts = pod["containers"][0]["volumeMounts"]
+    assert {"name": "admin-token", "mountPath": "/etc/narwhal-admin", "readOnly": True} in mounts
+    existing = render(FEATURES["admin-secret"])
+    assert not by_kind(existing, "Secret")
+    (cm,) = by_kind(existing, "ConfigMap")
+    assert parse(yaml.safe_load(cm["data"]["narwhal.yaml"])).telemetry.admin_token_file == \
+        "/etc/narwhal-admin/tk"
+
+
+def test_no_token_renders_no_secret():
+    docs = render([])
+    assert not by_kind(docs, "Secret")
+    (cm,) = by_kind(docs, "ConfigMap")
+    tel = parse(yaml.safe_load(cm["data"]["narwhal.yaml"])).telemetry
+    assert not (tel.admin_token or tel.admin_token_file or tel.admin_token_env)
+
+
+def test_network_policy_keeps_the_admin_port_closed_by_default():
+    (policy,) = by_kind(render([]), "NetworkPolicy")
+    ports = [p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]]
+    assert 9090 not in ports and 8080 in ports
+    (policy,) = by_kind(render(FEATURES["admin-scrapers"]), "NetworkPolicy")
+    (admin_rule,) = [r for r in policy["spec"]["ingress"] if "from" in r]
+    assert admin_rule["ports"] == [{"port": 9090, "protocol": "TCP"}]
+    (policy,) = by_kind(render(FEATURES["admin-secret"]), "NetworkPolicy")
+    assert [p["port"] for r in policy["spec"]["ingress"] for p in r["ports"]] == [9002]
+    assert not by_kind(render(FEATURES["no-network-policy"]), "NetworkPolicy")
 
 
 def test_ha_grants_lease_rbac():

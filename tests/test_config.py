@@ -85,3 +85,28 @@ def test_ipv6_endpoint_is_bracketed():
     from narwhal.config import EngineConfig
 
     assert EngineConfig("a", "http://[::1]:8000").endpoint == "[::1]:8000"
+
+
+def test_admin_token_sources(tmp_path, monkeypatch):
+    from narwhal.server.admin import admin_token
+
+    assert admin_token(parse({}).telemetry) is None
+    assert admin_token(parse({"telemetry": {"admin_token": "t1"}}).telemetry) == "t1"
+    secret = tmp_path / "token"
+    secret.write_text("t2\n")
+    assert admin_token(parse({"telemetry": {"admin_token_file": str(secret)}}).telemetry) == "t2"
+    monkeypatch.setenv("NARWHAL_ADMIN_TOKEN", "t3")
+    cfg = parse({"telemetry": {"admin_token_env": "NARWHAL_ADMIN_TOKEN"}})
+    assert admin_token(cfg.telemetry) == "t3"
+    with pytest.raises(ConfigError, match="admin_token_file"):
+        admin_token(parse({"telemetry": {"admin_token_file": str(tmp_path / "nope")}}).telemetry)
+    with pytest.raises(ConfigError, match="MISSING_VAR"):
+        admin_token(parse({"telemetry": {"admin_token_env": "MISSING_VAR"}}).telemetry)
+    with pytest.raises(ConfigError, match="one of"):
+        parse({"telemetry": {"admin_token": "a", "admin_token_env": "B"}})
+
+
+def test_ttft_target_within_its_maximum():
+    with pytest.raises(ConfigError, match="max_ttft_target_ms"):
+        parse({"admission": {"ttft_target_ms": 70_000}})
+    assert parse({"admission": {"ttft_target_ms": 70_000, "max_ttft_target_ms": 70_000}})

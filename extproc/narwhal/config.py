@@ -93,6 +93,11 @@ class Telemetry:
     health_interval_ms: int = 1000
     health_timeout_ms: int = 1000
     stale_after_ms: int = 5000
+    # The bearer token admin mutations (/admin/*) require; with none set they are refused.
+    # One of: the token itself, a file holding it (a mounted Secret), an environment variable.
+    admin_token: str = ""
+    admin_token_file: str = ""
+    admin_token_env: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +234,9 @@ def parse(data: Any) -> Config:
     hints = typing.get_type_hints(Config)
     for name in sections - {"engines"}:
         kwargs[name] = _build(hints[name], data.get(name), name)
+    tel = kwargs["telemetry"]
+    if sum(bool(x) for x in (tel.admin_token, tel.admin_token_file, tel.admin_token_env)) > 1:
+        raise ConfigError("telemetry: give one of admin_token, admin_token_file, admin_token_env")
     adm = kwargs["admission"]
     if adm.ttft_target_ms > adm.max_ttft_target_ms:
         raise ConfigError(f"admission.ttft_target_ms: {adm.ttft_target_ms} exceeds "

@@ -22,6 +22,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $c := deepCopy .Values.config -}}
 {{- $serving := merge (dict "host" (ternary "127.0.0.1" "0.0.0.0" (eq .Values.mode "sidecar")) "extproc_port" (int .Values.ports.extproc)) ($c.serving | default dict) -}}
 {{- $telemetry := merge (dict "admin_host" "0.0.0.0" "admin_port" (int .Values.ports.admin)) ($c.telemetry | default dict) -}}
+{{- if include "narwhal.adminSecret" . -}}
+{{- $_ := set $telemetry "admin_token_file" (printf "/etc/narwhal-admin/%s" .Values.admin.tokenKey) -}}
+{{- end -}}
 {{- $_ := set $c "serving" $serving -}}
 {{- $_ := set $c "telemetry" $telemetry -}}
 {{- if .Values.engines.discovery.enabled -}}
@@ -30,4 +33,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $c "engines" .Values.engines.static -}}
 {{- end -}}
 {{- toYaml $c -}}
+{{- end -}}
+{{/* The Secret holding the admin token, if any. */}}
+{{- define "narwhal.adminSecret" -}}
+{{- if .Values.admin.existingSecret -}}{{ .Values.admin.existingSecret }}
+{{- else if .Values.admin.token -}}{{ include "narwhal.fullname" . }}-admin
+{{- end -}}
 {{- end -}}

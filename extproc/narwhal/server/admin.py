@@ -1,13 +1,24 @@
 """Admin HTTP on its own port (never the client port): /ready /live /metrics /status,
-and the operator API under /admin (maintenance waves, fencing)."""
+and the operator API under /admin (maintenance waves, fencing).
+
+Reads are open (probes and scrapers need them). Mutations can put every client on 503,
+so they need ``Authorization: Bearer <telemetry.admin_token>`` and, when they carry a
+body, ``content-type: application/json`` (which no cross-site "simple request" can
+send); with no token configured they are refused outright.
+"""
 
 from __future__ import annotations
+
+import hmac
+import os
+from pathlib import Path
 
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from .. import __version__
+from ..config import ConfigError, Telemetry
 from ..core.router import Router
 from .metrics import RouterCollector
 
@@ -21,7 +32,49 @@ def _bad_request(message: str) -> web.HTTPBadRequest:
                               content_type="application/json")
 
 
-def admin_app(router: Router) -> web.Application:
+def admin_token(cfg: Telemetry) -> str | None:
+    """The configured admin token, read from its file or environment variable if so given."""
+    if cfg.admin_token_file:
+        try:
+            token = Path(cfg.admin_token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"telemetry.admin_token_file: cannot read "
+                              f"{cfg.admin_token_file}: {exc.strerror}") from exc
+    elif cfg.admin_token_env:
+        token = os.environ.get(cfg.admin_token_env, "").strip()
+        if not token:
+            raise ConfigError(f"telemetry.admin_token_env: {cfg.admin_token_env} is not set")
+    else:
+        token = cfg.admin_token
+    return token or None
+
+
+def _refusal(status: int, message: str, **headers: str) -> web.HTTPException:
+    cls = {401: web.HTTPUnauthorized, 403: web.HTTPForbidden,
+           415: web.HTTPUnsupportedMediaType}[status]
+    return cls(text=orjson.dumps({"error": message}).decode(), content_type="application/json",
+               headers=headers)
+
+
+def _guard(token: str | None):
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if request.path.startswith("/admin/"):
+            if token is None:
+                raise _refusal(403, "admin mutations are disabled: set telemetry.admin_token")
+            given = request.headers.get("authorization", "")
+            scheme, _, credential = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    credential.strip().encode(), token.encode()):
+                raise _refusal(401, "admin mutations need a valid bearer token",
+                               **{"WWW-Authenticate": 'Bearer realm="narwhal-admin"'})
+            if request.can_read_body and request.content_type != "application/json":
+                raise _refusal(415, "admin request bodies must be application/json")
+        return await handler(request)
+    return guard
+
+
+def admin_app(router: Router, token: str | None = None) -> web.Application:
     registry = CollectorRegistry()
     registry.register(RouterCollector(router))
 
@@ -107,7 +160,7 @@ def admin_app(router: Router) -> web.Application:
         router.changed()
         return _json({"fenced": router.fenced})
 
-    app = web.Application()
+    app = web.Application(middlewares=[_guard(token)], client_max_size=65536)
     app.router.add_get("/ready", ready)
     app.router.add_get("/live", live)
     app.router.add_get("/metrics", metrics)

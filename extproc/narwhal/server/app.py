@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..config import Config
 from ..core.router import Router
-from .admin import admin_app
+from .admin import admin_app, admin_token
 from .discovery import discover_once, discovery_loop
 from .extproc import PROCESS_PATH, SERVICE_NAME, ExternalProcessor, ExtProcCall
 from .grpc_health import CHECK_PATH, WATCH_PATH, HealthRegistry
@@ -95,10 +95,11 @@ class LoopTimers:
 
 
 async def serve(config: Config) -> None:
+    token = admin_token(config.telemetry)  # a missing file or variable fails start-up
     router = Router(config, timers=LoopTimers(asyncio.get_running_loop()))
     start = _start_asyncio if config.serving.transport == "asyncio" else _start_grpcio
     stop_grpc = await start(config, router)
-    runner = web.AppRunner(admin_app(router), access_log=None)
+    runner = web.AppRunner(admin_app(router, token), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.telemetry.admin_host, config.telemetry.admin_port)
     await site.start()
