@@ -6,7 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from .conftest import MODEL, status
+from narwhal.launch import SimSpec
+
+from .conftest import MODEL, _stack, status
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -39,3 +41,50 @@ def test_non_ascii_digits_in_headers_are_a_400(stack, header, value):
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == header
     _serves(stack)
+
+
+@pytest.fixture(scope="module")
+def strict_stack():
+    """The default: engine-steering headers are not forwarded."""
+    yield from _stack([SimSpec("sim-strict")], {"serving": {"forward_control_headers": False}})
+
+
+@pytest.mark.parametrize("method,path", [
+    ("GET", "/metrics"), ("GET", "/health"), ("POST", "//v1/chat/completions"),
+    ("POST", "/v1/chat/completions/"), ("POST", "/v1/chat%2Fcompletions"),
+    ("POST", "/v1//completions"), ("POST", "/V1/completions"), ("POST", "/v1/models"),
+    ("POST", "/v1/models/%2E%2E/chat/completions"), ("POST", "/v1/responses"),
+])
+def test_only_named_paths_exist(strict_stack, method, path):
+    before = status(strict_stack)
+    with httpx.Client(base_url=strict_stack.url, timeout=30) as c:
+        req = c.build_request(method, "http://placeholder", json={"model": MODEL, "messages": MSGS})
+        req.url = httpx.URL(strict_stack.url + path)  # raw: no client-side normalisation
+        resp = c.send(req)
+    assert resp.status_code == 404, path
+    assert resp.json()["error"]["code"] == "not_found"
+    after = status(strict_stack)
+    assert after["engines"][0]["dispatched"] == before["engines"][0]["dispatched"]
+    assert after["requests"]["offered"] == before["requests"]["offered"]
+
+
+def test_models_route_still_passes(strict_stack):
+    resp = httpx.get(f"{strict_stack.url}/v1/models", timeout=30)
+    assert resp.status_code == 200 and resp.json()["data"][0]["id"] == MODEL
+
+
+def test_engine_steering_headers_are_stripped_by_default(strict_stack):
+    resp = httpx.post(f"{strict_stack.url}/v1/chat/completions", timeout=30,
+                      headers={"x-sim-fault": "bool-token-id", "x-sim-output": "refusal",
+                               "x-gateway-destination-endpoint": "127.0.0.1:1"},
+                      json={"model": MODEL, "messages": MSGS, "max_tokens": 3})
+    assert resp.status_code == 200  # the fault never reached the engine
+    msg = resp.json()["choices"][0]["message"]
+    assert msg["content"] and msg["refusal"] is None
+
+
+def test_control_headers_forwarded_when_configured(stack):
+    resp = httpx.post(f"{stack.url}/v1/chat/completions", timeout=30,
+                      headers={"x-sim-fault": "bool-token-id"},
+                      json={"model": MODEL, "messages": MSGS, "max_tokens": 3})
+    assert resp.status_code == 502

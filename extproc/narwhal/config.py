@@ -29,6 +29,8 @@ class Serving:
     transport: str = "asyncio"
     max_event_bytes: int = 1_048_576
     max_response_bytes: int = 16_777_216
+    # Forward x-sim-* headers (the simulator's fault injection) to engines: tests and demos.
+    forward_control_headers: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +180,10 @@ def _check(hint: Any, value: Any, key: str) -> Any:
         if value < 0:
             raise ConfigError(f"{key}: must not be negative, got {value}")
         return float(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
     if hint is str:
         if key == "sizing.tokenizer":
             if not isinstance(value, str):

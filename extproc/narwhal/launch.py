@@ -180,6 +180,7 @@ class Stack(StackURLs):
         cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in self.config.items()}
         serving = cfg.setdefault("serving", {})
         serving.setdefault("model", self.model)
+        serving.setdefault("forward_control_headers", True)  # x-sim-fault drives the tests
         serving["extproc_port"] = self.extproc_port
         cfg.setdefault("telemetry", {})["admin_port"] = self.admin_port
         cfg["telemetry"].setdefault("health_interval_ms", 200)

@@ -32,6 +32,13 @@ LB_NAMESPACE = "envoy.lb"
 SLO_HEADER = "x-slo-ttft-ms"
 TIMEOUT_HEADER = "x-request-timeout-ms"
 PREDICTED_HEADER = "x-narwhal-predicted-ttft-ms"
+# Client paths that exist besides the completion routes, passed to an engine as they are.
+PASSTHROUGH = frozenset({("GET", "/v1/models")})
+# Request headers that steer routing or Narwhal: never taken from a client.
+STEERING_PREFIXES = ("x-gateway-destination-endpoint", "x-narwhal-")
+# Request headers that steer engines (the simulator's fault injection): forwarded only
+# with serving.forward_control_headers (tests, demos).
+CONTROL_PREFIXES = ("x-sim-",)
 TIMER_SLACK = 0.002  # event-loop timers may fire up to a millisecond early
 
 
@@ -81,7 +88,7 @@ class Exchange:
                  "relay", "assembler", "parser", "status", "terminal", "sized", "upstream_error",
                  "request_ended", "request_bytes", "response_bytes", "held", "arrival",
                  "deadline", "budget_s", "ticket", "timer", "sink", "client_headers_sent",
-                 "last_token_at")
+                 "last_token_at", "strip")
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -112,6 +119,7 @@ class Exchange:
         self.sink: Callable[[list[Action]], None] = _drop
         self.client_headers_sent = False
         self.last_token_at = 0.0
+        self.strip: list[str] = []  # client headers not to forward
 
     # -- request ---------------------------------------------------------------
     def request_headers(self, headers: dict[str, str], end_of_stream: bool) -> list[Action]:
@@ -122,7 +130,16 @@ class Exchange:
         path = headers.get(":path", "").split("?", 1)[0]
         self.path = path
         method = headers.get(":method", "")
+        prefixes = STEERING_PREFIXES
+        if not self.router.config.serving.forward_control_headers:
+            prefixes += CONTROL_PREFIXES
+        self.strip = [k for k in headers if k.startswith(prefixes)]
         if path not in COMPLETION_PATHS:
+            if (method, path) not in PASSTHROUGH:
+                # Only named paths exist: a variant (``//``, ``%2F``, a trailing ``/``) of a
+                # completion route must not reach an engine around admission.
+                self.phase = Phase.DONE
+                return [Immediate(errors.not_found(path))]
             return self._passthrough_headers(end_of_stream)
         self.completion = True
         self.router.accounting.offer()
@@ -165,7 +182,7 @@ class Exchange:
         self.phase = Phase.UPSTREAM
         self.request_ended = end_of_stream
         return [Headers(False, destination=engine.endpoint,
-                        set=[(DESTINATION_HEADER, engine.endpoint)])]
+                        set=[(DESTINATION_HEADER, engine.endpoint)], remove=self.strip)]
 
     def request_body(self, chunk: bytes, end_of_stream: bool) -> list[Action]:
         if self.request_ended:
@@ -234,7 +251,7 @@ class Exchange:
             Headers(False, destination=engine.endpoint,
                     set=[(DESTINATION_HEADER, engine.endpoint),
                          ("content-length", str(len(body)))],
-                    remove=["accept-encoding", "transfer-encoding"]),
+                    remove=["accept-encoding", "transfer-encoding", *self.strip]),
             Body(False, body, True),
         ]
 
