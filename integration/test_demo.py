@@ -6,18 +6,36 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
-from narwhal.launch import free_port
+from narwhal.launch import REPO_ROOT, free_port
 
 
-def test_demo_serves_and_stops():
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """Narwhal installed from a built wheel (not the source tree), in a folder of its own."""
+    target = tmp_path_factory.mktemp("installed")
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                          "--target", str(target), str(REPO_ROOT)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert (target / "narwhal" / "envoy.yaml").is_file()
+    return target
+
+
+@pytest.mark.parametrize("where", ["source", "installed"])
+def test_demo_serves_and_stops(request, where):
+    env = os.environ.copy()
+    if where == "installed":
+        # The installed copy first on the path: it must find its Envoy config as package data.
+        env["PYTHONPATH"] = str(request.getfixturevalue("installed"))
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "narwhal", "demo", "--port", str(port),
                              "--engines", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, env=env, cwd="/")
     lines = []
     try:
         for line in proc.stdout:  # the demo prints its banner once everything is ready
@@ -42,3 +60,12 @@ def test_demo_serves_and_stops():
                 "http://127.0.0.1:9901/ready"):
         with pytest.raises(httpx.ConnectError):
             httpx.get(url, timeout=2)
+
+
+def test_envoy_config_command_prints_the_shipped_config(installed):
+    env = os.environ | {"PYTHONPATH": str(installed)}
+    out = subprocess.run([sys.executable, "-m", "narwhal", "envoy-config"], capture_output=True,
+                         text=True, timeout=60, env=env, cwd="/")
+    assert out.returncode == 0
+    assert out.stdout == (installed / "narwhal" / "envoy.yaml").read_text()
+    assert "ext_proc" in out.stdout

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from narwhal.launch import REPO_ROOT, envoy_binary, render_envoy
+from narwhal.launch import ENVOY_CONFIG, REPO_ROOT, envoy_binary, render_envoy
 
-CONFIGS = sorted([*REPO_ROOT.glob("envoy/*.yaml"), *REPO_ROOT.glob("bench/*.yaml")])
+CONFIGS = sorted([ENVOY_CONFIG, *REPO_ROOT.glob("bench/*.yaml")])
 
 
 def validate(path: Path) -> subprocess.CompletedProcess:
@@ -40,7 +40,7 @@ def test_validation_catches_a_broken_config(tmp_path):
 
 
 def test_ext_proc_wiring():
-    cfg = yaml.safe_load((REPO_ROOT / "envoy" / "envoy.yaml").read_text())
+    cfg = yaml.safe_load(ENVOY_CONFIG.read_text())
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     ext = hcm["typed_config"]["http_filters"][0]["typed_config"]
     assert ext["failure_mode_allow"] is False

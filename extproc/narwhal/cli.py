@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p_sim.add_argument("--max-model-len", type=int, default=32768,
                        help="context length: longer prompt + max_tokens is refused, as by vLLM")
 
+    sub.add_parser("envoy-config", help="print the Envoy configuration Narwhal ships "
+                                        "(client :8080, ext_proc at 127.0.0.1:9002)")
+
     p_demo = sub.add_parser("demo", help="Envoy + narwhal serve + simulated engines on loopback")
     p_demo.add_argument("--config", help="YAML configuration (engines default to simulators)")
     p_demo.add_argument("--port", type=int, default=8080, help="Envoy's client port")
@@ -75,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
                     Timing(prefill_tps=args.prefill_tps, tpot_ms=args.tpot_ms,
                            max_num_seqs=args.max_num_seqs, batch_slowdown=args.batch_slowdown,
                            slow_start_ms=args.slow_start_ms))
+        elif args.command == "envoy-config":
+            from .launch import ENVOY_CONFIG
+
+            sys.stdout.write(ENVOY_CONFIG.read_text())
         elif args.command == "demo":
             from .demo import run_demo
 

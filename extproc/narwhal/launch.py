@@ -1,7 +1,8 @@
 """Starting and stopping real processes on loopback: Envoy, `narwhal serve`, simulators.
 
 The demo, the integration tests and the benchmarks all start the same stack the
-same way, from the Envoy configuration that ships in ``envoy/``.
+same way, from the Envoy configuration that ships inside the package (``envoy.yaml``;
+``narwhal envoy-config`` prints it).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-ENVOY_CONFIG = REPO_ROOT / "envoy" / "envoy.yaml"
+REPO_ROOT = Path(__file__).resolve().parents[2]  # a source checkout's root (tests, benchmarks)
+ENVOY_CONFIG = Path(__file__).with_name("envoy.yaml")  # package data: works installed too
 
 
 class LaunchError(RuntimeError):
