@@ -87,7 +87,7 @@ def test_large_data_is_split_into_frames():
     assert b"".join(e.data for e in c_events if isinstance(e, h2.events.DataReceived)) == body
 
 
-def test_inbound_window_is_replenished():
+def test_inbound_window_is_replenished_as_data_is_consumed():
     client, server = pair()
     pump(client, server)
     client.send_headers(1, REQUEST)
@@ -96,7 +96,27 @@ def test_inbound_window_is_replenished():
         client.send_data(1, b"y" * 16384)
         total += 16384
         s_events, _ = pump(client, server)
+        server.consumed(sum(len(e.data) for e in s_events if isinstance(e, http2.DataReceived)))
     assert total > 1 << 20  # h2 would have raised FlowControlError without updates
+
+
+def test_unconsumed_data_holds_the_connection_window():
+    """Received is not consumed: a peer cannot make the server hold more than its window."""
+    client, server = pair()
+    pump(client, server)
+    client.send_headers(1, REQUEST)
+    sent = 0
+    for _ in range(100):
+        n = min(16384, client.local_flow_control_window(1))
+        if n == 0:
+            break
+        client.send_data(1, b"y" * n)
+        sent += n
+        pump(client, server)
+    assert sent == 1 << 20  # exactly the window, nothing more
+    server.consumed(sent)
+    pump(client, server)
+    assert client.local_flow_control_window(1) > 0
 
 
 def test_ping_is_acknowledged():

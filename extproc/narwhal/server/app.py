@@ -48,9 +48,18 @@ async def _start_asyncio(config: Config, router: Router) -> Callable[[], Awaitab
               CHECK_PATH: registry.check_call, WATCH_PATH: registry.watch_call}
     connections: set[GrpcConnection] = set()
 
+    serving = config.serving
+
     def factory() -> GrpcConnection:
-        conn = GrpcConnection(routes, on_lost=connections.discard)
-        connections.add(conn)
+        full = len(connections) >= serving.max_connections
+        if full:
+            log.warning("refusing an ext_proc connection: serving.max_connections (%d) reached",
+                        serving.max_connections)
+        conn = GrpcConnection(routes, max_message=serving.max_message_bytes,
+                              on_lost=connections.discard,
+                              preface_timeout=serving.preface_timeout_ms / 1000, refuse=full)
+        if not full:
+            connections.add(conn)
         return conn
 
     loop = asyncio.get_running_loop()
@@ -67,7 +76,7 @@ async def _start_asyncio(config: Config, router: Router) -> Callable[[], Awaitab
 
 
 async def _start_grpcio(config: Config, router: Router) -> Callable[[], Awaitable[None]]:
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", config.serving.max_message_bytes),
                                       ("grpc.so_reuseport", 0)])
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server)
     servicer = health.aio.HealthServicer()

@@ -9,12 +9,15 @@ stay xds-protos (upb) protobufs, and everything runs on the event loop that alre
 holds the router state: no thread handoffs, one socket write per read.
 
 Scope is what Envoy's gRPC client uses: unary and streaming calls over h2c with prior
-knowledge, identity encoding, status in trailers. Message size is bounded.
+knowledge, identity encoding, status in trailers. Message size is bounded
+(RESOURCE_EXHAUSTED past it), so is what a peer can make a connection hold (see
+``Stream``), and a connection must send the HTTP/2 preface in time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Protocol
@@ -32,6 +35,10 @@ UNIMPLEMENTED = 12
 INTERNAL = 13
 
 RESPONSE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
+MAX_MESSAGE = 4 * 1024 * 1024  # gRPC's own default receive limit
+OUT_HIGH = 1024 * 1024  # a stream's held-back output above which its input waits
+WRITE_HIGH = 4 * 1024 * 1024  # the socket's send buffer above which nothing more is read
+PREFACE_TIMEOUT_S = 10.0  # a connection must speak HTTP/2 within this
 
 
 class Call(Protocol):
@@ -45,19 +52,30 @@ class Call(Protocol):
 
 
 class Stream:
-    """Per-stream framing state plus the send side handed to the call."""
+    """Per-stream framing state plus the send side handed to the call.
 
-    __slots__ = ("conn", "id", "buf", "call", "headers_sent", "closed", "pending", "trailers")
+    Inbound bytes wait as a list of pieces (joined once a whole message is there, so
+    reassembly is linear) and are returned to the connection window only when delivered;
+    outbound frames that flow control holds back wait as a list too. While a stream's
+    output is held back beyond ``OUT_HIGH`` bytes, its input is not delivered: a peer
+    that does not read cannot make the stream hold more than the connection window.
+    """
+
+    __slots__ = ("conn", "id", "parts", "buffered", "call", "headers_sent", "closed",
+                 "pending", "pending_size", "trailers", "half_closed")
 
     def __init__(self, conn: GrpcConnection, stream_id: int) -> None:
         self.conn = conn
         self.id = stream_id
-        self.buf = b""
+        self.parts: list[bytes] = []
+        self.buffered = 0
         self.call: Call | None = None
         self.headers_sent = False
         self.closed = False
-        self.pending = b""
+        self.pending: list[bytes] = []
+        self.pending_size = 0
         self.trailers: list[tuple[bytes, bytes]] = []
+        self.half_closed = False
 
     def send(self, message: bytes) -> None:
         if self.closed:
@@ -66,14 +84,14 @@ class Stream:
             self.conn.http2.send_headers(self.id, RESPONSE_HEADERS)
             self.headers_sent = True
         frame = b"\x00" + len(message).to_bytes(4, "big") + message
-        if self.pending:
-            self.pending += frame
-        else:
+        if not self.pending:
             sent = self.conn.http2.send_data(self.id, frame)
             if sent == len(frame):
                 return
-            self.pending = frame[sent:]
-        self.conn.flush(self)
+            frame = frame[sent:]
+        self.pending.append(frame)
+        self.pending_size += len(frame)
+        self.conn.blocked.add(self.id)
 
     def finish(self, status: int = OK, message: str = "") -> None:
         """End the call with trailers, after any data still waiting for window."""
@@ -86,7 +104,7 @@ class Stream:
         self.trailers = trailers
         if not self.headers_sent:
             self.conn.http2.send_headers(self.id, RESPONSE_HEADERS + trailers, end_stream=True)
-            self.conn.streams.pop(self.id, None)
+            self.conn.drop(self)
             return
         self.conn.flush(self)
 
@@ -95,22 +113,47 @@ class GrpcConnection(asyncio.Protocol):
     """One HTTP/2 connection from Envoy; routes each stream to a call factory by path."""
 
     def __init__(self, routes: dict[bytes, Callable[[Stream], Call]],
-                 max_message: int = 64 * 1024 * 1024,
-                 on_lost: Callable[[GrpcConnection], None] | None = None) -> None:
+                 max_message: int = MAX_MESSAGE,
+                 on_lost: Callable[[GrpcConnection], None] | None = None,
+                 preface_timeout: float = PREFACE_TIMEOUT_S, refuse: bool = False) -> None:
         self.routes = routes
         self.max_message = max_message
         self.on_lost = on_lost
+        self.preface_timeout = preface_timeout
+        self.refuse = refuse
         self.transport: asyncio.Transport | None = None
         self.http2 = http2.ServerConnection()
         self.streams: dict[int, Stream] = {}
         self.blocked: set[int] = set()
         self.flush_scheduled = False
+        self.preface_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol --------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        if self.refuse:  # over the connection limit
+            transport.abort()  # type: ignore[attr-defined]
+            return
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH)
+        self.preface_timer = asyncio.get_running_loop().call_later(
+            self.preface_timeout, self._preface_expired)
         self.http2.initiate()
         self._write()
+
+    def _preface_expired(self) -> None:
+        self.preface_timer = None
+        if not self.http2.preface and self.transport is not None:
+            self.transport.abort()  # a peer that never speaks HTTP/2 holds nothing
+
+    def pause_writing(self) -> None:
+        """The socket's send buffer is over its high-water mark: read nothing more from
+        this peer (whose input makes our output) until it drains."""
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         for ev in self.http2.receive(data):
@@ -132,6 +175,8 @@ class GrpcConnection(asyncio.Protocol):
         self._write()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.preface_timer is not None:
+            self.preface_timer.cancel()
         for stream_id in list(self.streams):
             self._cancel(stream_id)
         if self.on_lost is not None:
@@ -149,63 +194,111 @@ class GrpcConnection(asyncio.Protocol):
             st.finish(UNIMPLEMENTED, "only identity encoding is supported")
         else:
             st.call = factory(st)
-            if ev.end_stream:
-                st.call.on_half_close()
+            st.half_closed = ev.end_stream
+            self._deliver(st)
 
     def _data(self, ev: http2.DataReceived) -> None:
         st = self.streams.get(ev.stream_id)
         if st is None or st.call is None:
+            self.http2.consumed(len(ev.data))
             return
-        buf = st.buf + ev.data if st.buf else ev.data
-        pos, end = 0, len(buf)
-        while end - pos >= 5:
-            if buf[pos] != 0:
-                st.buf = b""
-                self._fail(st, UNIMPLEMENTED, "compressed messages are not supported")
-                return
-            n = int.from_bytes(buf[pos + 1:pos + 5], "big")
-            if n > self.max_message:
-                st.buf = b""
-                self._fail(st, RESOURCE_EXHAUSTED, "message exceeds the size limit")
-                return
-            if end - pos - 5 < n:
-                break
-            msg = buf[pos + 5:pos + 5 + n]
-            pos += 5 + n
-            st.call.on_message(msg)
-            if st.closed:
-                return
-        st.buf = buf[pos:] if pos < end else b""
-        if ev.end_stream and st.call is not None:
-            st.call.on_half_close()
+        if ev.data:
+            st.parts.append(ev.data)
+            st.buffered += len(ev.data)
+        if ev.end_stream:
+            st.half_closed = True
+        self._deliver(st)
+
+    def _deliver(self, st: Stream) -> None:
+        """Hand the call its complete messages, then its half-close, while its output keeps
+        up; a call's exception ends its own stream, never the connection."""
+        while st.call is not None and st.pending_size <= OUT_HIGH:
+            if st.buffered >= 5:
+                head = st.parts[0][:5] if len(st.parts[0]) >= 5 else b"".join(st.parts)[:5]
+                if head[0] != 0:
+                    self._fail(st, UNIMPLEMENTED, "compressed messages are not supported")
+                    return
+                n = int.from_bytes(head[1:5], "big")
+                if n > self.max_message:
+                    self._fail(st, RESOURCE_EXHAUSTED,
+                               f"message of {n} bytes exceeds the {self.max_message}-byte limit")
+                    return
+                if st.buffered >= 5 + n:
+                    buf = st.parts[0] if len(st.parts) == 1 else b"".join(st.parts)
+                    msg = buf[5:5 + n]
+                    rest = buf[5 + n:]
+                    st.parts = [rest] if rest else []
+                    st.buffered = len(rest)
+                    self.http2.consumed(5 + n)
+                    if not self._call(st, st.call.on_message, msg):
+                        return
+                    continue
+            if st.half_closed and st.buffered == 0:
+                st.half_closed = False
+                self._call(st, st.call.on_half_close)
+            return
+
+    def _call(self, st: Stream, method: Callable[..., None], *args: bytes) -> bool:
+        try:
+            method(*args)
+        except Exception:
+            log.exception("gRPC call failed on stream %d", st.id)
+            self._fail(st, INTERNAL, "internal error")
+            return False
+        return st.call is not None and not st.closed
 
     def _fail(self, st: Stream, status: int, message: str) -> None:
         call, st.call = st.call, None
+        self._release(st)
         if call is not None:
-            call.on_cancel()
+            with contextlib.suppress(Exception):
+                call.on_cancel()
         st.finish(status, message)
 
+    def _release(self, st: Stream) -> None:
+        """Undelivered input goes back to the connection window."""
+        if st.buffered:
+            self.http2.consumed(st.buffered)
+            st.parts = []
+            st.buffered = 0
+
+    def drop(self, st: Stream) -> None:
+        self.streams.pop(st.id, None)
+        self.blocked.discard(st.id)
+        self._release(st)
+
     def _cancel(self, stream_id: int) -> None:
-        st = self.streams.pop(stream_id, None)
-        self.blocked.discard(stream_id)
-        if st is not None and st.call is not None:
+        st = self.streams.get(stream_id)
+        if st is None:
+            return
+        self.drop(st)
+        st.pending = []
+        st.pending_size = 0
+        if st.call is not None:
             call, st.call = st.call, None
             st.closed = True
             call.on_cancel()
 
     # -- sending -----------------------------------------------------------------
     def flush(self, st: Stream) -> None:
-        """Send what flow control allows; trailers follow the last byte."""
-        if st.pending:
-            sent = self.http2.send_data(st.id, st.pending)
-            st.pending = st.pending[sent:]
-            if st.pending:
+        """Send what flow control allows; trailers follow the last byte; input held back
+        for this stream's sake resumes once its output is low again."""
+        pending = st.pending
+        while pending:
+            piece = pending[0]
+            sent = self.http2.send_data(st.id, piece)
+            st.pending_size -= sent
+            if sent < len(piece):
+                pending[0] = piece[sent:]
                 self.blocked.add(st.id)
                 return
+            pending.pop(0)
         self.blocked.discard(st.id)
         if st.closed:
             self.http2.send_headers(st.id, st.trailers, end_stream=True)
-            self.streams.pop(st.id, None)
+            self.drop(st)
+        elif st.buffered or st.half_closed:
+            self._deliver(st)
 
     def _unblock(self, stream_id: int) -> None:
         for sid in list(self.blocked) if stream_id == 0 else [stream_id]:

@@ -7,8 +7,13 @@ the per-token budget. The frame layer of RFC 9113 is small; header compression s
 with the field's library, ``hpack``. h2 remains the independent peer that the unit
 tests drive this implementation with.
 
-Bounded against a misbehaving peer: frame size (our SETTINGS_MAX_FRAME_SIZE), header
-block size, concurrent streams, and the connection flow-control window.
+Bounded against a misbehaving peer, in linear time: frame size (our
+SETTINGS_MAX_FRAME_SIZE), header block size and CONTINUATION count (a running total, not
+a re-sum per frame), concurrent streams, and inbound flow control. The connection
+window is returned to the peer only for data the application has *consumed*
+(:meth:`ServerConnection.consumed`), not merely received, so what a peer can make this
+process hold (partial messages on many streams, input for a stream whose output is
+not being read) is bounded by the connection window.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ REFUSED_STREAM, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 7, 9, 11
 MAX_WINDOW = 2**31 - 1
 DEFAULT_WINDOW = 65535
 DEFAULT_FRAME = 16384
+MAX_CONTINUATIONS = 256  # CONTINUATION frames in one header block
 
 
 class ConnectionError_(Exception):  # noqa: N801 - not the builtin
@@ -75,7 +81,7 @@ def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes
 class ServerConnection:
     """Feed it bytes with ``receive``; send with ``send_*``; write ``data_to_send()``."""
 
-    def __init__(self, window: int = 16 * 1024 * 1024, max_streams: int = 16384,
+    def __init__(self, window: int = 8 * 1024 * 1024, max_streams: int = 16384,
                  max_header_list: int = 65536) -> None:
         self.window = window
         self.max_streams = max_streams
@@ -97,6 +103,7 @@ class ServerConnection:
         self.conn_recv_window = window
         self.conn_recv_unacked = 0
         self.header_block: list[bytes] | None = None
+        self.header_size = 0
         self.header_stream = 0
         self.header_end_stream = False
 
@@ -247,6 +254,15 @@ class ServerConnection:
             return payload[1:len(payload) - payload[0]]
         return payload
 
+    def consumed(self, n: int) -> None:
+        """The application is done with ``n`` bytes of received DATA: the peer may send
+        that much more on the connection (one WINDOW_UPDATE per half window)."""
+        self.conn_recv_unacked += n
+        if self.conn_recv_unacked >= self.window // 2:
+            self.out.append(_frame(WINDOW_UPDATE, 0, 0, self.conn_recv_unacked.to_bytes(4, "big")))
+            self.conn_recv_window += self.conn_recv_unacked
+            self.conn_recv_unacked = 0
+
     def _data(self, sid: int, flags: int, payload: bytes, events: list[Event]) -> None:
         if sid == 0:
             raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
@@ -254,21 +270,20 @@ class ServerConnection:
         self.conn_recv_window -= n
         if self.conn_recv_window < 0:
             raise ConnectionError_(FLOW_CONTROL_ERROR, "peer overran the connection window")
-        self.conn_recv_unacked += n
-        if self.conn_recv_unacked >= self.window // 2:
-            self.out.append(_frame(WINDOW_UPDATE, 0, 0, self.conn_recv_unacked.to_bytes(4, "big")))
-            self.conn_recv_window += self.conn_recv_unacked
-            self.conn_recv_unacked = 0
         unacked = self.recv_unacked.get(sid)
         if unacked is None:
-            return  # a stream we already finished or reset: counted, then dropped
+            self.consumed(n)  # a stream we already finished or reset: counted, then dropped
+            return
+        # Stream windows are replenished on receipt; the connection window bounds memory.
         unacked += n
         if unacked >= self.window // 2:
             self.out.append(_frame(WINDOW_UPDATE, 0, sid, unacked.to_bytes(4, "big")))
             unacked = 0
         self.recv_unacked[sid] = unacked
-        events.append(DataReceived(sid, self._unpad(flags, payload) if flags & PADDED else payload,
-                                   bool(flags & END_STREAM)))
+        data = self._unpad(flags, payload) if flags & PADDED else payload
+        if len(data) < n:
+            self.consumed(n - len(data))  # padding is nobody's to consume
+        events.append(DataReceived(sid, data, bool(flags & END_STREAM)))
 
     def _headers(self, sid: int, flags: int, payload: bytes, events: list[Event]) -> None:
         if sid == 0:
@@ -277,6 +292,7 @@ class ServerConnection:
         if flags & PRIORITY_FLAG:
             payload = payload[5:]
         self.header_block = [payload]
+        self.header_size = len(payload)
         self.header_stream = sid
         self.header_end_stream = bool(flags & END_STREAM)
         if flags & END_HEADERS:
@@ -286,8 +302,11 @@ class ServerConnection:
         if self.header_block is None or sid != self.header_stream:
             raise ConnectionError_(PROTOCOL_ERROR, "unexpected CONTINUATION")
         self.header_block.append(payload)
-        if sum(len(b) for b in self.header_block) > self.max_header_list:
+        self.header_size += len(payload)
+        if self.header_size > self.max_header_list:
             raise ConnectionError_(ENHANCE_YOUR_CALM, "header block too large")
+        if len(self.header_block) > MAX_CONTINUATIONS:
+            raise ConnectionError_(ENHANCE_YOUR_CALM, "too many CONTINUATION frames")
         if flags & END_HEADERS:
             self._header_block_done(events)
 

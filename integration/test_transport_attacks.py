@@ -1,0 +1,233 @@
+"""The ext_proc port against a hostile peer (gateway mode exposes it): a raw HTTP/2 client
+built on `h2` and hand-made frames, against a real `narwhal serve`. Each attack must cost
+the router under 2 s of CPU and 20 MB of RSS (read from /proc) and leave the port
+serving; none may take down another stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from narwhal.launch import SimSpec, Stack
+from narwhal.server import http2
+
+from .conftest import _stack
+
+CHECK = "/grpc.health.v1.Health/Check"
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+CPU_S = 2.0
+RSS_BYTES = 20 * 1024 * 1024
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+@pytest.fixture(scope="module")
+def router() -> Iterator[Stack]:
+    yield from _stack([SimSpec("sim-t")], {"serving": {"preface_timeout_ms": 500,
+                                                       "max_connections": 64}})
+
+
+class Usage:
+    """CPU seconds and RSS of the router process, before and after an attack."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.pid = stack.proc("narwhal").popen.pid
+        self.cpu0, self.rss0 = self.sample()
+
+    def sample(self) -> tuple[float, int]:
+        with open(f"/proc/{self.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / TICK
+        with open(f"/proc/{self.pid}/status") as f:
+            rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        return cpu, rss
+
+    def check(self) -> None:
+        cpu, rss = self.sample()
+        assert cpu - self.cpu0 < CPU_S, f"attack cost {cpu - self.cpu0:.2f} s of CPU"
+        assert rss - self.rss0 < RSS_BYTES, f"attack grew RSS by {(rss - self.rss0) >> 20} MB"
+
+
+def serving(stack: Stack) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{stack.extproc_port}") as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return (len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big")
+            + payload)
+
+
+class Peer:
+    """An h2 client on a raw socket: well-formed frames from h2, anything else by hand."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", stack.extproc_port), timeout=10)
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.h2.initiate_connection()
+        self.flush()
+
+    def flush(self) -> None:
+        data = self.h2.data_to_send()
+        if data:
+            self.sock.sendall(data)
+
+    def headers(self, path: str, end_stream: bool = False) -> int:
+        sid = self.h2.get_next_available_stream_id()
+        self.h2.send_headers(sid, [(":method", "POST"), (":scheme", "http"),
+                                   (":authority", "narwhal"), (":path", path),
+                                   ("content-type", "application/grpc"), ("te", "trailers")],
+                             end_stream=end_stream)
+        self.flush()
+        return sid
+
+    def events(self, until, timeout: float = 10.0) -> list:
+        """Read until ``until(events)`` holds or the server closes the connection."""
+        out: list = []
+        deadline = time.monotonic() + timeout
+        while not until(out):
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                raise AssertionError(f"no answer within {timeout}s: {out}") from None
+            if not data:
+                out.append("eof")
+                break
+            out += self.h2.receive_data(data)
+            self.flush()
+        return out
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def grpc_status(events: list, sid: int) -> int | None:
+    for ev in events:
+        if isinstance(ev, h2.events.TrailersReceived | h2.events.ResponseReceived) \
+                and ev.stream_id == sid:
+            status = dict(ev.headers).get(b"grpc-status")
+            if status is not None:
+                return int(status)
+    return None
+
+
+def test_continuation_flood_is_cut_off(router):
+    usage = Usage(router)
+    peer = Peer(router)
+    block = peer.h2.encoder.encode([(":method", "POST"), (":path", CHECK)])
+    flood = frame(http2.HEADERS, 0, 1, block) + frame(http2.CONTINUATION, 0, 1) * 40_000
+    with contextlib.suppress(OSError):  # the server may close before all of it is sent
+        peer.sock.sendall(flood)
+    events = peer.events(lambda evs: any(isinstance(e, h2.events.ConnectionTerminated)
+                                         or e == "eof" for e in evs))
+    terminated = [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
+    assert terminated and terminated[0].error_code == http2.ENHANCE_YOUR_CALM
+    peer.close()
+    usage.check()
+    serving(router)
+
+
+def test_oversized_message_is_resource_exhausted(router):
+    usage = Usage(router)
+    peer = Peer(router)
+    sid = peer.headers(PROCESS)
+    peer.h2.send_data(sid, b"\x00" + (63 * 1024 * 1024).to_bytes(4, "big") + b"x" * 1000)
+    peer.flush()
+    events = peer.events(lambda evs: grpc_status(evs, sid) is not None)
+    assert grpc_status(events, sid) == 8  # RESOURCE_EXHAUSTED
+    peer.close()
+    usage.check()
+    serving(router)
+
+
+def test_partial_messages_on_many_streams_are_bounded(router):
+    """40 streams each sending most of a 4 MiB message: the connection window (8 MiB),
+    not 160 MiB, bounds what the router holds; closing frees it."""
+    usage = Usage(router)
+    peer = Peer(router)
+    peer.h2.increment_flow_control_window(1 << 30)
+    peer.flush()
+    sids = [peer.headers(PROCESS) for _ in range(40)]
+    chunk = b"y" * 16384
+    sent = 0
+    for sid in sids:
+        peer.h2.send_data(sid, b"\x00" + (4 * 1024 * 1024).to_bytes(4, "big"))
+        while peer.h2.local_flow_control_window(sid) >= len(chunk) and \
+                peer.h2.max_outbound_frame_size >= len(chunk):
+            peer.h2.send_data(sid, chunk)
+            sent += len(chunk)
+            peer.flush()
+            if sent > 3 * 1024 * 1024 * (1 + sids.index(sid)):
+                break
+    # The server granted at most its connection window, whatever the streams' windows.
+    assert sent <= 8 * 1024 * 1024 + 40 * 16384
+    usage.check()
+    peer.close()
+    serving(router)
+
+
+def test_a_peer_that_does_not_read_cannot_grow_the_router(router):
+    """PINGs and health checks whose answers are never read: the router stops reading."""
+    usage = Usage(router)
+    peer = Peer(router)
+    peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    ping = frame(http2.PING, 0, 0, b"12345678")
+    peer.sock.settimeout(5)
+    sent = 0
+    with contextlib.suppress(TimeoutError, OSError):
+        while sent < 64 * 1024 * 1024:  # stops when the router stops reading
+            peer.sock.sendall(ping * 4096)
+            sent += len(ping) * 4096
+    assert sent < 64 * 1024 * 1024, "the router kept reading a peer that never reads"
+    usage.check()
+    peer.close()
+    serving(router)
+
+
+def test_undecodable_health_check_fails_alone(router):
+    peer = Peer(router)
+    good = peer.headers(CHECK)
+    bad = peer.headers(CHECK)
+    peer.h2.send_data(bad, b"\x00" + (3).to_bytes(4, "big") + b"\xff\xff\xff", end_stream=True)
+    msg = health_pb2.HealthCheckRequest(service="").SerializeToString()
+    peer.h2.send_data(good, b"\x00" + len(msg).to_bytes(4, "big") + msg, end_stream=True)
+    peer.flush()
+    events = peer.events(lambda evs: grpc_status(evs, good) is not None
+                         and grpc_status(evs, bad) is not None)
+    assert grpc_status(events, good) == 0
+    assert grpc_status(events, bad) != 0
+    assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
+    peer.close()
+
+
+def test_connections_without_a_preface_are_closed(router):
+    usage = Usage(router)
+    socks = [socket.create_connection(("127.0.0.1", router.extproc_port), timeout=10)
+             for _ in range(300)]
+    try:
+        for s in socks:  # each is closed by the router: over the limit at once, else in 0.5 s
+            s.settimeout(10)
+            while True:
+                try:
+                    if not s.recv(65536):
+                        break
+                except ConnectionResetError:
+                    break
+    finally:
+        for s in socks:
+            s.close()
+    usage.check()
+    serving(router)
