@@ -88,3 +88,28 @@ def test_control_headers_forwarded_when_configured(stack):
                       headers={"x-sim-fault": "bool-token-id"},
                       json={"model": MODEL, "messages": MSGS, "max_tokens": 3})
     assert resp.status_code == 502
+
+
+@pytest.fixture(scope="module")
+def stall_stack():
+    yield from _stack([SimSpec("sim-stall")], {"serving": {"engine_stall_timeout_ms": 500}})
+
+
+def test_stalled_stream_ends_with_an_error_event_and_frees_the_slot(stall_stack):
+    before = status(stall_stack)["requests"]["terminal"]["failed"]
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 20, "stream": True}
+    with httpx.stream("POST", f"{stall_stack.url}/v1/chat/completions", json=body, timeout=30,
+                      headers={"x-sim-fault": "stall"}) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert '"engine_stalled"' in events[-1] and "[DONE]" not in events
+    st = status(stall_stack)
+    assert st["requests"]["terminal"]["failed"] == before + 1
+    assert st["engines"][0]["in_flight"] == 0 and st["requests"]["in_flight"] == 0
+
+
+def test_stalled_non_streaming_request_is_a_504(stall_stack):
+    resp = httpx.post(f"{stall_stack.url}/v1/chat/completions", timeout=30,
+                      headers={"x-sim-fault": "stall"},
+                      json={"model": MODEL, "messages": MSGS, "max_tokens": 20})
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "engine_stalled"
+    assert status(stall_stack)["engines"][0]["in_flight"] == 0

@@ -299,3 +299,63 @@ def test_failure_at_queue_dispatch_stays_in_its_request(router, monkeypatch):
     ex.dispatched_from_queue()  # must not raise
     (imm,) = sent[0]
     assert imm.error.status == 500 and router.accounting.terminal["failed"] == 1
+
+
+class FakeTimers:
+    def __init__(self) -> None:
+        self.armed: list[tuple[float, object]] = []
+
+    def call_later(self, delay, callback):
+        entry = [delay, callback, False]
+        self.armed.append(entry)
+
+        class Handle:
+            def cancel(self_inner):
+                entry[2] = True
+        return Handle()
+
+    def fire_latest(self):
+        delay, callback, cancelled = self.armed[-1]
+        assert not cancelled
+        callback()
+
+
+def stall_router(clock) -> Router:
+    r = Router(parse({"serving": {"engine_stall_timeout_ms": 1000},
+                      "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]}),
+               clock=clock, timers=FakeTimers())
+    for e in r.engines:
+        e.healthy = e.checked = True
+        e.telemetry_at = clock()
+    r.started = True
+    return r
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stalled_engine_fails_the_request_and_frees_its_slot(stream):
+    now = [100.0]
+    router = stall_router(lambda: now[0])
+    ex = Exchange(router)
+    sent = []
+    ex.sink = sent.append
+    up = admit(ex, orjson.dumps(orjson.loads(BODY) | {"stream": stream}))
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
+    first = engine_stream(up).split(b"\n\n")
+    ex.response_body(first[0] + b"\n\n" + first[1] + b"\n\n", False)
+    assert router.engines[0].decode == 1
+    now[0] += 0.6
+    ex.response_body(first[2] + b"\n\n", False)  # activity: the stall clock restarts
+    now[0] += 0.6
+    router.timers.fire_latest()
+    assert sent == []  # 0.6 s of silence only: re-armed
+    now[0] += 0.5
+    router.timers.fire_latest()
+    (actions,) = sent
+    if stream:
+        (body,) = actions
+        assert body.end_of_stream and b"engine_stalled" in body.data
+    else:
+        (imm,) = actions
+        assert imm.error.status == 504 and imm.error.code == "engine_stalled"
+    assert router.accounting.terminal["failed"] == 1
+    assert router.engines[0].in_flight == 0 and router.accounting.in_flight == 0

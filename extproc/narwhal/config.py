@@ -32,6 +32,8 @@ class Serving:
     # Forward x-sim-* headers (the simulator's fault injection) to engines: tests and demos.
     forward_control_headers: bool = False
     # The ext_proc port's bounds against any peer that reaches it.
+    # An engine silent this long while responding fails the request and frees its slot.
+    engine_stall_timeout_ms: int = 30_000
     max_connections: int = 1024
     max_message_bytes: int = 4_194_304
     preface_timeout_ms: int = 10_000
@@ -134,6 +136,7 @@ CHOICES = {
 POSITIVE = {
     "serving.max_request_bytes", "serving.max_event_bytes", "serving.max_response_bytes",
     "serving.max_connections", "serving.max_message_bytes", "serving.preface_timeout_ms",
+    "serving.engine_stall_timeout_ms",
     "admission.ttft_target_ms", "admission.retention_limit", "admission.max_wait_ms",
     "admission.request_timeout_ms", "admission.max_ttft_target_ms",
     "scheduler.max_prefill_per_engine",

@@ -114,6 +114,12 @@ def engine_failure(message: str) -> HttpError:
     return HttpError(502, message, "upstream_error", FAILED, code="bad_engine_response")
 
 
+def engine_stalled(stall_ms: int) -> HttpError:
+    return HttpError(504, f"the engine sent nothing for {stall_ms} ms "
+                          "(serving.engine_stall_timeout_ms)", "upstream_error", FAILED,
+                     code="engine_stalled")
+
+
 def engine_refusal(status: int, error: object) -> HttpError:
     """The engine's own error envelope, as it answered before generating anything."""
     err = error if isinstance(error, dict) else {"message": str(error)}

@@ -88,7 +88,7 @@ class Exchange:
                  "relay", "assembler", "parser", "status", "terminal", "sized", "upstream_error",
                  "request_ended", "request_bytes", "response_bytes", "held", "arrival",
                  "deadline", "budget_s", "ticket", "timer", "sink", "client_headers_sent",
-                 "last_token_at", "strip")
+                 "last_token_at", "strip", "engine_seen")
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -120,6 +120,7 @@ class Exchange:
         self.client_headers_sent = False
         self.last_token_at = 0.0
         self.strip: list[str] = []  # client headers not to forward
+        self.engine_seen = 0.0  # when the engine last sent response bytes
 
     # -- request ---------------------------------------------------------------
     def request_headers(self, headers: dict[str, str], end_of_stream: bool) -> list[Action]:
@@ -274,6 +275,8 @@ class Exchange:
         if self.phase is not Phase.UPSTREAM:
             return []
         self.phase = Phase.RESPONSE_BODY
+        self.engine_seen = self.router.clock()
+        self._arm(self.engine_seen)  # expire() re-arms for the stall deadline
         ctype = headers.get("content-type", "")
         if self.status == 200 and not ctype.startswith("text/event-stream"):
             return self._refuse(errors.engine_failure(
@@ -304,6 +307,7 @@ class Exchange:
             return [Body(True, chunk, end_of_stream)]
         if self.phase is not Phase.RESPONSE_BODY:
             return []
+        self.engine_seen = self.router.clock()  # the stall timer reads this when it fires
         if self.upstream_error:
             return self._upstream_error(chunk, end_of_stream)
         try:
@@ -514,10 +518,15 @@ class Exchange:
             self.sink(actions)
 
     def expire(self) -> list[Action]:
-        """A timer fired: 504 if the admission wait or the deadline has run out."""
-        if self.terminal is not None or self.client_headers_sent:
+        """A timer fired: 504 if the admission wait or the deadline has run out before
+        response headers, or the engine stalled while responding."""
+        if self.terminal is not None:
             return []
         now = self.router.clock()
+        if self.phase is Phase.RESPONSE_BODY:
+            return self._stall_check(now)
+        if self.client_headers_sent:
+            return []
         t = self.ticket
         wait_end = None
         if self.phase is Phase.QUEUED and t is not None and t.queued_at is not None:
@@ -527,6 +536,25 @@ class Exchange:
         if now >= self.deadline - TIMER_SLACK:
             return self._refuse(errors.terminal_expiry("the request deadline expired"))
         self._arm(self.deadline if wait_end is None else min(wait_end, self.deadline))
+        return []
+
+    def _stall_check(self, now: float) -> list[Action]:
+        """The engine has been silent for serving.engine_stall_timeout_ms: fail the request
+        and free its slot, rather than hold it until the client gives up. One timer per
+        request, re-armed lazily from ``engine_seen``, so tokens cost no timer work."""
+        stall_ms = self.router.config.serving.engine_stall_timeout_ms
+        stall_end = self.engine_seen + stall_ms / 1000
+        if now >= stall_end - TIMER_SLACK:
+            err = errors.engine_stalled(stall_ms)
+            if self.relay is not None:
+                self._finish(errors.FAILED)
+                return [Body(True, err.sse_event(), True)]
+            return self._refuse(err)
+        if not self.client_headers_sent:
+            if now >= self.deadline - TIMER_SLACK:
+                return self._refuse(errors.terminal_expiry("the request deadline expired"))
+            stall_end = min(stall_end, self.deadline)
+        self._arm(stall_end)
         return []
 
     def close(self) -> None:

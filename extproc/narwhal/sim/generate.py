@@ -51,6 +51,7 @@ FAULTS = frozenset(
         "abrupt-close",
         "slow-start",
         "omit-usage",
+        "stall",
     }
 )
 OUTPUTS = frozenset({"refusal", "function-call", "multi-tool"})
@@ -540,6 +541,8 @@ def stream_events(plan: Plan) -> Iterator[tuple[str, bytes]]:
         if plan.fault == "abrupt-close" and step_no == 3:
             yield "abort", b""
             return
+        if plan.fault == "stall" and step_no == 3:
+            yield "stall", b""  # the engine hangs: no more bytes, the connection stays open
     yield "done", b"data: [DONE]\n\n"
 
 

@@ -179,6 +179,11 @@ class Engine:
                     await resp.write(b"".join(pending))
                     pending.clear()
                 await asyncio.sleep(self.tpot_s())
+            if kind == "stall":
+                if pending:
+                    await resp.write(b"".join(pending))
+                    pending.clear()
+                await asyncio.sleep(3600)  # until the peer gives up and the task is cancelled
             if kind == "abort":
                 if pending:
                     await resp.write(b"".join(pending))
