@@ -113,3 +113,26 @@ def test_stalled_non_streaming_request_is_a_504(stall_stack):
                       json={"model": MODEL, "messages": MSGS, "max_tokens": 20})
     assert resp.status_code == 504 and resp.json()["error"]["code"] == "engine_stalled"
     assert status(stall_stack)["engines"][0]["in_flight"] == 0
+
+
+@pytest.fixture
+def doomed_stack():
+    """A stack whose engine or router a test kills."""
+    yield from _stack([SimSpec("sim-doomed")])
+
+
+def test_engine_failure_reaches_non_streaming_clients_as_json(doomed_stack):
+    resp = httpx.post(f"{doomed_stack.url}/v1/chat/completions", timeout=30,
+                      headers={"x-sim-fault": "abrupt-close"},
+                      json={"model": MODEL, "messages": MSGS, "max_tokens": 8})
+    assert resp.status_code == 502 and resp.headers["content-type"] == "application/json"
+    err = resp.json()["error"]
+    assert err["type"] == "upstream_error" and err["code"].startswith("engine_failure_")
+
+
+def test_router_down_is_a_json_503_from_envoy(doomed_stack):
+    doomed_stack.proc("narwhal").stop()
+    resp = httpx.post(f"{doomed_stack.url}/v1/chat/completions", timeout=30,
+                      json={"model": MODEL, "messages": MSGS})
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    assert resp.json()["error"]["code"] == "router_unavailable"

@@ -1,4 +1,4 @@
-{{/* Envoy for sidecar mode: the same filter chain as envoy/envoy.yaml in the repository. */}}
+{{/* Envoy for sidecar mode: the same filter chain as the envoy.yaml Narwhal ships. */}}
 {{- define "narwhal.envoy" -}}
 admin:
   address: {socket_address: {address: 127.0.0.1, port_value: {{ .Values.ports.envoyAdmin }}}}
@@ -16,6 +16,30 @@ static_resources:
           stream_idle_timeout: {{ .Values.envoy.routeIdleTimeout }}
           max_request_headers_kb: 64
           common_http_protocol_options: {headers_with_underscores_action: REJECT_REQUEST}
+          # Envoy's own replies in the OpenAI envelope too: Narwhal unreachable is a 503
+          # (retryable), an engine that failed or reset is the engine's failure.
+          local_reply_config:
+            mappers:
+            - filter:
+                extension_filter:
+                  name: envoy.access_loggers.extension_filters.cel
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
+                    expression: "response.code_details.startsWith('ext_proc_error')"
+              status_code: 503
+              headers_to_add:
+              - header: {key: retry-after, value: "1"}
+                append_action: OVERWRITE_IF_EXISTS_OR_ADD
+              body_format_override:
+                json_format:
+                  error: {message: "the router (ext_proc) is unavailable", type: upstream_error,
+                          param: null, code: router_unavailable}
+            - filter:
+                response_flag_filter: {flags: [UF, UH, UC, UR, URX, UT, UO, NR, UPE, NC, LR, RL]}
+              body_format_override:
+                json_format:
+                  error: {message: "%LOCAL_REPLY_BODY%", type: upstream_error, param: null,
+                          code: "engine_failure_%RESPONSE_FLAGS%"}
           route_config:
             name: engines
             virtual_hosts:
