@@ -109,11 +109,12 @@ def test_chart_envoy_matches_the_repository_envoy():
     assert filters(chart) == filters(repo)
     assert engines(chart) == engines(repo)
 
-    def replies(cfg):
-        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-        return hcm["typed_config"]["local_reply_config"]
+    def hcm(cfg):
+        return cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+            "typed_config"]
 
-    assert replies(chart) == replies(repo)
+    for key in ("local_reply_config", "access_log"):
+        assert hcm(chart)[key] == hcm(repo)[key]
 
 
 def test_sidecar_pod_shape():

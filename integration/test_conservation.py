@@ -75,7 +75,8 @@ def test_offered_equals_terminal_after_concurrent_faults(paced_stack):
     delta = {k: req["terminal"][k] - before["terminal"][k] for k in req["terminal"]}
     assert delta["completed"] >= outcomes.count("ok")
     assert delta["invalid_requests"] == outcomes.count("invalid")
-    assert delta["failed"] >= outcomes.count("failed")
+    # An engine that drops the connection is the engine's failure, never a cancellation.
+    assert delta["failed"] >= outcomes.count("failed") + outcomes.count("abrupt")
     assert delta["cancelled"] >= outcomes.count("left")
     assert all(e["in_flight"] == 0 for e in st["engines"])
 

@@ -3,6 +3,9 @@ keeps serving."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import httpx
 import pytest
 
@@ -118,7 +121,7 @@ def test_stalled_non_streaming_request_is_a_504(stall_stack):
 @pytest.fixture
 def doomed_stack():
     """A stack whose engine or router a test kills."""
-    yield from _stack([SimSpec("sim-doomed")])
+    yield from _stack([SimSpec("sim-doomed", args=["--tpot-ms", "10"])])
 
 
 def test_engine_failure_reaches_non_streaming_clients_as_json(doomed_stack):
@@ -136,3 +139,59 @@ def test_router_down_is_a_json_503_from_envoy(doomed_stack):
                       json={"model": MODEL, "messages": MSGS})
     assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
     assert resp.json()["error"]["code"] == "router_unavailable"
+
+
+def settled(stack, deadline_s: float = 20.0) -> dict:
+    """/status once nothing is in flight (ambiguous closes wait for Envoy's verdict)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        st = status(stack)
+        if st["requests"]["in_flight"] == 0 or time.monotonic() > end:
+            return st
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def paced_stack():
+    yield from _stack([SimSpec("sim-paced", args=["--tpot-ms", "20"])])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_abort_mid_stream_is_failed_not_cancelled(paced_stack, stream):
+    before = settled(paced_stack)["requests"]["terminal"]
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(f"{paced_stack.url}/v1/chat/completions", timeout=30,
+                   headers={"x-sim-fault": "abrupt-close"},
+                   json={"model": MODEL, "messages": MSGS, "max_tokens": 8, "stream": stream})
+    after = settled(paced_stack)["requests"]["terminal"]
+    assert after["failed"] == before["failed"] + 1
+    assert after["cancelled"] == before["cancelled"]
+
+
+def test_client_leaving_mid_stream_is_cancelled(paced_stack):
+    before = settled(paced_stack)["requests"]["terminal"]
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 50, "stream": True}
+    with httpx.stream("POST", f"{paced_stack.url}/v1/chat/completions", json=body,
+                      timeout=30) as resp:
+        next(resp.iter_lines())
+    after = settled(paced_stack)["requests"]["terminal"]
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["failed"] == before["failed"]
+
+
+def test_killed_engine_is_failed_and_detectable(doomed_stack):
+    """SIGKILL the engine while it streams: the client sees the stream cut (never a clean
+    end), the request counts failed."""
+    engine = doomed_stack.proc("sim-doomed")
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 2000, "stream": True}
+    before = settled(doomed_stack)["requests"]["terminal"]
+    lines = []
+    with pytest.raises(httpx.HTTPError), httpx.stream(  # noqa: PT012
+            "POST", f"{doomed_stack.url}/v1/chat/completions", json=body, timeout=30) as resp:
+        for line in resp.iter_lines():
+            lines.append(line)
+            if len(lines) == 3:
+                engine.popen.kill()
+    assert "data: [DONE]" not in lines
+    after = settled(doomed_stack)["requests"]["terminal"]
+    assert after["failed"] == before["failed"] + 1 and after["cancelled"] == before["cancelled"]

@@ -359,3 +359,18 @@ def test_a_stalled_engine_fails_the_request_and_frees_its_slot(stream):
         assert imm.error.status == 504 and imm.error.code == "engine_stalled"
     assert router.accounting.terminal["failed"] == 1
     assert router.engines[0].in_flight == 0 and router.accounting.in_flight == 0
+
+
+def test_close_mid_response_frees_slots_now_and_counts_when_envoy_says(router):
+    ex = Exchange(router)
+    up = admit(ex, orjson.dumps(orjson.loads(BODY) | {"stream": True}))
+    ex.request_id = "rid-1"
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
+    ex.response_body(engine_stream(up).split(b"\n\n")[1] + b"\n\n", False)
+    router.closes.wait_s = 1.0
+    ex.close()
+    acct = router.accounting
+    assert router.engines[0].in_flight == 0 and router.held == 0  # released at once
+    assert acct.in_flight == 1 and acct.balanced()  # the terminal waits for the verdict
+    router.closes.logged("rid-1", "failed")
+    assert acct.terminal["failed"] == 1 and acct.in_flight == 0 and acct.balanced()

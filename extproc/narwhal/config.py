@@ -106,6 +106,9 @@ class Telemetry:
     admin_token: str = ""
     admin_token_file: str = ""
     admin_token_env: str = ""
+    # How long a request that ended mid-response waits for Envoy's access log to say
+    # whether the engine failed (failed) or the client left (cancelled); 0: no wait.
+    close_verdict_ms: int = 1000
 
 
 @dataclass(frozen=True, slots=True)

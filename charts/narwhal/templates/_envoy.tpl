@@ -16,6 +16,19 @@ static_resources:
           stream_idle_timeout: {{ .Values.envoy.routeIdleTimeout }}
           max_request_headers_kb: 64
           common_http_protocol_options: {headers_with_underscores_action: REJECT_REQUEST}
+          # Only requests an engine failed: tells Narwhal why an ext_proc stream ended.
+          access_log:
+          - name: envoy.access_loggers.http_grpc
+            filter:
+              response_flag_filter: {flags: [UR, UC, UF, UPE, UT, UH, UO, UMSDR, URX]}
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig
+              common_config:
+                log_name: narwhal
+                transport_api_version: V3
+                grpc_service:
+                  envoy_grpc: {cluster_name: narwhal}
+                buffer_flush_interval: 0.05s
           # Envoy's own replies in the OpenAI envelope too: Narwhal unreachable is a 503
           # (retryable), an engine that failed or reset is the engine's failure.
           local_reply_config:

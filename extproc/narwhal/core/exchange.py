@@ -88,7 +88,7 @@ class Exchange:
                  "relay", "assembler", "parser", "status", "terminal", "sized", "upstream_error",
                  "request_ended", "request_bytes", "response_bytes", "held", "arrival",
                  "deadline", "budget_s", "ticket", "timer", "sink", "client_headers_sent",
-                 "last_token_at", "strip", "engine_seen")
+                 "last_token_at", "strip", "engine_seen", "request_id")
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -121,6 +121,7 @@ class Exchange:
         self.last_token_at = 0.0
         self.strip: list[str] = []  # client headers not to forward
         self.engine_seen = 0.0  # when the engine last sent response bytes
+        self.request_id = ""  # Envoy's x-request-id: how its access log names this exchange
 
     # -- request ---------------------------------------------------------------
     def request_headers(self, headers: dict[str, str], end_of_stream: bool) -> list[Action]:
@@ -143,6 +144,7 @@ class Exchange:
                 return [Immediate(errors.not_found(path))]
             return self._passthrough_headers(end_of_stream)
         self.completion = True
+        self.request_id = headers.get("x-request-id", "")
         self.router.accounting.offer()
         if method != "POST":
             return self._refuse(errors.HttpError(405, f"{path} takes POST",
@@ -469,13 +471,22 @@ class Exchange:
     def _finish(self, terminal: str) -> None:
         if self.terminal is not None:
             return
+        self._release(terminal)
+        self._count(terminal)
+
+    def _count(self, terminal: str) -> None:
+        """The request's one terminal class (possibly some time after its release)."""
         self.terminal = terminal
-        self.phase = Phase.DONE
-        router = self.router
-        acct = router.accounting
+        acct = self.router.accounting
         acct.end(terminal)
         if not self.sized:
             acct.unsized_offered += 1
+
+    def _release(self, terminal: str) -> None:
+        """Give back everything the request holds: retention, timers, its engine slot."""
+        self.terminal = terminal
+        self.phase = Phase.DONE
+        router = self.router
         if self.held:
             router.held -= 1
         if self.timer is not None:
@@ -558,11 +569,17 @@ class Exchange:
         return []
 
     def close(self) -> None:
-        """The ext_proc stream ended: whatever is unfinished was cancelled."""
-        if self.completion:
-            self._finish(errors.CANCELLED)
-        else:
+        """The ext_proc stream ended. Unfinished before an engine was involved: cancelled.
+        Unfinished while an engine was responding: the client left or the engine failed,
+        which only Envoy knows; the verdict comes from its access log (``CloseVerdicts``)."""
+        if not self.completion:
             self._settle_passthrough()
+        elif self.terminal is None:
+            if self.phase in (Phase.UPSTREAM, Phase.RESPONSE_BODY):
+                self._release(errors.CANCELLED)
+                self.router.closes.closed(self.request_id, self._count)
+            else:
+                self._finish(errors.CANCELLED)
 
 
 def _drop(actions: list[Action]) -> None:

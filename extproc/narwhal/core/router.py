@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from ..config import Config
 from .accounting import Accounting
+from .closes import CloseVerdicts
 from .engines import EngineState
 from .scheduler import Scheduler, Ticket
 from .sizing import Sizer
@@ -48,6 +49,7 @@ class Router:
         self.started = False  # the first telemetry round has completed
         self.heartbeat: float | None = None  # when the last telemetry round completed
         self.listeners: list[Callable[[], None]] = []
+        self.closes = CloseVerdicts(config.telemetry.close_verdict_ms / 1000, self.timers)
 
     @property
     def engines(self) -> list[EngineState]:

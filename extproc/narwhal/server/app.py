@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..config import Config
 from ..core.router import Router
+from .access_log import ACCESS_LOG_PATH, AccessLogCall
 from .admin import admin_app, admin_token
 from .discovery import discover_once, discovery_loop
 from .extproc import PROCESS_PATH, SERVICE_NAME, ExternalProcessor, ExtProcCall
@@ -45,7 +46,8 @@ async def _start_asyncio(config: Config, router: Router) -> Callable[[], Awaitab
     registry = HealthRegistry(functools.partial(health_status, router))
     router.listeners.append(registry.refresh)
     routes = {PROCESS_PATH: functools.partial(ExtProcCall, router),
-              CHECK_PATH: registry.check_call, WATCH_PATH: registry.watch_call}
+              CHECK_PATH: registry.check_call, WATCH_PATH: registry.watch_call,
+              ACCESS_LOG_PATH: functools.partial(AccessLogCall, router)}
     connections: set[GrpcConnection] = set()
 
     serving = config.serving
