@@ -531,8 +531,9 @@ class Exchange:
     def expire(self) -> list[Action]:
         """A timer fired: 504 if the admission wait or the deadline has run out before
         response headers, or the engine stalled while responding."""
-        if self.terminal is not None:
-            return []
+        if self.terminal is not None or not self.completion or self.phase is Phase.DONE \
+                or self.phase is Phase.REQUEST_HEADERS:
+            return []  # no timer of this exchange is armed outside these phases
         now = self.router.clock()
         if self.phase is Phase.RESPONSE_BODY:
             return self._stall_check(now)
