@@ -231,3 +231,36 @@ def test_connections_without_a_preface_are_closed(router):
             s.close()
     usage.check()
     serving(router)
+
+
+def test_echoed_bodies_not_read_back_are_bounded(router):
+    """Pass-through bodies come back as body mutations: a peer that sends 32 MiB of them and
+    reads nothing gets its input held once its output is, not an ever-growing buffer."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    usage = Usage(router)
+    peer = Peer(router)
+    peer.h2.increment_flow_control_window(1 << 30)
+    peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sid = peer.headers(PROCESS)
+    hdrs = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/models"),
+                                       base_pb2.HeaderValue(key=":method", raw_value=b"GET")])
+    first = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hdrs)).SerializeToString()
+    chunk = pb.ProcessingRequest(request_body=pb.HttpBody(body=b"e" * (1 << 20))).SerializeToString()
+    messages = [first] + [chunk] * 32
+    sent = 0
+    peer.sock.settimeout(3)
+    with contextlib.suppress(TimeoutError, OSError):
+        for m in messages:
+            data = b"\x00" + len(m).to_bytes(4, "big") + m
+            for i in range(0, len(data), 16384):
+                while peer.h2.local_flow_control_window(sid) < 16384:
+                    raise TimeoutError  # the router stopped granting window: held
+                peer.h2.send_data(sid, data[i:i + 16384])
+                peer.flush()
+                sent += 16384
+    assert sent < 32 << 20, "the router kept accepting input it could not send back"
+    usage.check()
+    peer.close()
+    serving(router)
