@@ -91,7 +91,9 @@ class ContainerStack(StackURLs):
                             "--model", MODEL, "--dialect", self.dialect, *self.sim_args])
         wait_http(f"http://127.0.0.1:{sim.port}/health", 60)
         cfg = {k: dict(v) for k, v in self.config.items()}
-        cfg.setdefault("serving", {}).update(model=MODEL, extproc_port=self.extproc_port)
+        # The seed suite drives the simulator's faults with x-sim-* headers.
+        cfg.setdefault("serving", {}).update(model=MODEL, extproc_port=self.extproc_port,
+                                             forward_control_headers=True)
         cfg["telemetry"] = {"admin_port": self.admin_port, "health_interval_ms": 200}
         cfg["engines"] = [{"name": name, "url": f"http://127.0.0.1:{sim.port}",
                            "dialect": self.dialect}]
