@@ -277,8 +277,9 @@ class Exchange:
         if self.phase is not Phase.UPSTREAM:
             return []
         self.phase = Phase.RESPONSE_BODY
-        self.engine_seen = self.router.clock()
-        self._arm(self.engine_seen)  # expire() re-arms for the stall deadline
+        now = self.engine_seen = self.router.clock()
+        stall_end = now + self.router.config.serving.engine_stall_timeout_ms / 1000
+        self._arm(stall_end if self.relay is not None else min(stall_end, self.deadline))
         ctype = headers.get("content-type", "")
         if self.status == 200 and not ctype.startswith("text/event-stream"):
             return self._refuse(errors.engine_failure(

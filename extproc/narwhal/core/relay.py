@@ -15,7 +15,6 @@ from typing import Any
 import orjson
 
 DONE = b"data: [DONE]\n\n"
-ID_FIELDS = ("token_ids", "prompt_token_ids")
 
 
 def _frame(payload: bytes) -> bytes:
@@ -36,26 +35,42 @@ class Relay:
         if self.verbatim:
             return _frame(raw)
         choices = event.get("choices") or ()
-        if not self.include_usage and "usage" in event and not choices:
-            return self._usage_frame(event)
-        changed = False
-        if not self.include_usage and "usage" in event:
+        include_usage = self.include_usage
+        if not include_usage and "usage" in event:
+            if not choices:
+                return self._usage_frame(event)
             del event["usage"]
             changed = True
-        if not self.expose_ids:
-            if event.get("prompt_token_ids") is not None:
-                event["prompt_token_ids"] = None
-                changed = True
-            ids_only = bool(choices)
-            for choice in choices:
-                for key in ID_FIELDS:
-                    if choice.get(key) is not None:
-                        choice[key] = None
-                        changed = True
-                ids_only = ids_only and _ids_only(choice)
-            if ids_only and changed:
-                return None
-        if not self.include_usage and any(c.get("finish_reason") is not None for c in choices):
+        else:
+            changed = False
+        hide = not self.expose_ids
+        if hide and event.get("prompt_token_ids") is not None:
+            event["prompt_token_ids"] = None
+            changed = True
+        ids_only = hide
+        final = False
+        # One plain loop per choice (events hold one): this runs for every token.
+        for choice in choices:
+            if choice.get("finish_reason") is not None:
+                final = True
+                ids_only = False
+            if hide:
+                if choice.get("token_ids") is not None:
+                    choice["token_ids"] = None
+                    changed = True
+                else:
+                    ids_only = False
+                if "prompt_token_ids" in choice and choice["prompt_token_ids"] is not None:
+                    choice["prompt_token_ids"] = None
+                    changed = True
+                # vLLM sends a tool parser's swallowed tokens as ``delta: {}`` with IDs,
+                # and nothing at all to a client that did not ask for IDs.
+                if ids_only and (choice.get("delta") or choice.get("logprobs") is not None
+                                 or "delta" not in choice):
+                    ids_only = False
+        if ids_only and choices:
+            return None
+        if final and not include_usage:
             out = self.flush()
             self.held = event
             return out
@@ -76,12 +91,3 @@ class Relay:
         """Release the held final event (the stream ends, or another event follows)."""
         held, self.held = self.held, None
         return None if held is None else _frame(orjson.dumps(held))
-
-
-def _ids_only(choice: dict[str, Any]) -> bool:
-    """A chat event that carried nothing but token IDs once they are gone (vLLM sends such
-    an event, ``delta: {}``, only to a client that asked for IDs)."""
-    if choice.get("finish_reason") is not None or choice.get("logprobs") is not None:
-        return False
-    delta = choice.get("delta")  # completions' empty-text events vLLM sends all the same
-    return delta is not None and not any(v is not None for v in delta.values())

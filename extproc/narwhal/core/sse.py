@@ -32,7 +32,8 @@ class SSEParser:
             raise SSEError(f"engine event exceeds {self._max} bytes")
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        if b"\n" not in chunk:
+        nl = chunk.find(b"\n")
+        if nl < 0:
             if chunk:
                 self._pending.append(chunk)
                 self._pending_size += len(chunk)
@@ -41,6 +42,7 @@ class SSEParser:
         if self._pending:
             self._pending.append(chunk)
             buf = b"".join(self._pending)
+            nl += self._pending_size
             self._pending = []
             self._pending_size = 0
         else:
@@ -48,23 +50,26 @@ class SSEParser:
         events: list[bytes] = []
         start = 0
         find = buf.find
-        while True:
-            nl = find(b"\n", start)
-            if nl < 0:
-                break
+        limit = self._max
+        size = self._size
+        data = self._data
+        while nl >= 0:
             line = buf[start:nl]
-            self._size += nl + 1 - start
+            size += nl + 1 - start
             start = nl + 1
+            nl = find(b"\n", start)
             if line[-1:] == b"\r":
                 line = line[:-1]
             if not line:
-                if self._data is not None:
-                    events.append(self._data[0] if len(self._data) == 1
-                                  else b"\n".join(self._data))
-                    self._data = None
-                self._size = 0
+                if data is not None:
+                    events.append(data[0] if len(data) == 1 else b"\n".join(data))
+                    data = None
+                size = 0
                 continue
-            self._check()
+            if size > limit:
+                self._data = data
+                self._size = size
+                self._check()
             if line[0] == 0x3A:  # ':' comment / keep-alive
                 continue
             name, sep, value = line.partition(b":")
@@ -74,10 +79,12 @@ class SSEParser:
                 value = value[1:]
             if not sep:
                 value = b""
-            if self._data is None:
-                self._data = [value]
+            if data is None:
+                data = [value]
             else:
-                self._data.append(value)
+                data.append(value)
+        self._data = data
+        self._size = size
         if start < len(buf):
             rest = buf[start:]
             self._pending = [rest]

@@ -202,9 +202,18 @@ class GrpcConnection(asyncio.Protocol):
         if st is None or st.call is None:
             self.http2.consumed(len(ev.data))
             return
-        if ev.data:
-            st.parts.append(ev.data)
-            st.buffered += len(ev.data)
+        data = ev.data
+        if not st.parts and not st.pending_size and len(data) > 5 and data[0] == 0:
+            # The common case, one whole message in one DATA frame: no buffering.
+            n = int.from_bytes(data[1:5], "big")
+            if len(data) == 5 + n and n <= self.max_message:
+                self.http2.consumed(5 + n)
+                if not self._call(st, st.call.on_message, data[5:]) or not ev.end_stream:
+                    return
+                data = b""
+        if data:
+            st.parts.append(data)
+            st.buffered += len(data)
         if ev.end_stream:
             st.half_closed = True
         self._deliver(st)
