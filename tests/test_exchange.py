@@ -374,3 +374,32 @@ def test_close_mid_response_frees_slots_now_and_counts_when_envoy_says(router):
     assert acct.in_flight == 1 and acct.balanced()  # the terminal waits for the verdict
     router.closes.logged("rid-1", "failed")
     assert acct.terminal["failed"] == 1 and acct.in_flight == 0 and acct.balanced()
+
+
+def test_empty_subset_hint_is_503(router):
+    ex = Exchange(router)
+    ex.request_headers(HDRS, False, subset=[])
+    (imm,) = ex.request_body(BODY, True)
+    assert imm.error.status == 503 and imm.error.code == "backend_unavailable"
+
+
+def test_subset_hint_limits_placement(router):
+    ex = Exchange(router)
+    ex.request_headers(HDRS, False, subset=["10.9.9.9:1", "127.0.0.1:9"])
+    h, _ = ex.request_body(BODY, True)
+    assert h.destination == "127.0.0.1:9"
+
+
+def test_large_bodies_go_in_chunks_within_envoys_limit(router):
+    ex = Exchange(router)
+    ex.request_headers(HDRS, False)
+    big = orjson.dumps({"model": "narwhal-sim", "max_tokens": 4,
+                        "messages": [{"role": "user", "content": "x" * 150_000}]})
+    router.config = parse({"serving": {"max_request_bytes": 1_000_000},
+                           "admission": {"mode": "open"},
+                           "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]})
+    router.scheduler.config = router.config
+    h, *bodies = ex.request_body(big, True)
+    assert all(len(b.data) <= 62_000 for b in bodies) and len(bodies) == 3
+    assert [b.end_of_stream for b in bodies] == [False, False, True]
+    assert ("content-length", str(sum(len(b.data) for b in bodies))) in h.set

@@ -92,6 +92,8 @@ class Discovery:
 @dataclass(frozen=True, slots=True)
 class Router:
     role: str = "active"
+    # The Inference Extension conformance suite's test-picker hooks (off in production).
+    conformance_hooks: bool = False
 
 
 @dataclass(frozen=True, slots=True)

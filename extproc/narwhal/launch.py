@@ -17,6 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,8 @@ class Stack(StackURLs):
     envoy_admin_port: int = 0
     model: str = "narwhal-sim"
     engine_seed: dict[str, Any] = field(default_factory=dict)  # extra keys for every engine
+    # Changes a test makes to the rendered Envoy config (an extra filter, say).
+    envoy_patch: Callable[[dict[str, Any]], None] | None = None
     workdir: Path | None = None
     procs: list[Proc] = field(default_factory=list)
 
@@ -221,8 +224,10 @@ class Stack(StackURLs):
             wait_http(f"{self.admin_url}/ready" if expect_ready else f"{self.admin_url}/live",
                       timeout, narwhal.popen)
             envoy_path = self.workdir / "envoy.yaml"
-            envoy_path.write_text(yaml.safe_dump(render_envoy(self.port, self.envoy_admin_port,
-                                                              self.extproc_port)))
+            envoy_cfg = render_envoy(self.port, self.envoy_admin_port, self.extproc_port)
+            if self.envoy_patch is not None:
+                self.envoy_patch(envoy_cfg)
+            envoy_path.write_text(yaml.safe_dump(envoy_cfg))
             envoy = self._spawn("envoy", [envoy_binary(), "-c", str(envoy_path), "--log-level",
                                           "warn", "--base-id", str(self.port),
                                           "--disable-hot-restart"])

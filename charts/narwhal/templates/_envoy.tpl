@@ -68,6 +68,9 @@ static_resources:
               grpc_service:
                 envoy_grpc: {cluster_name: narwhal}
               failure_mode_allow: false
+              # A gateway's subset hint reaches Narwhal (endpoint-picker protocol).
+              metadata_options:
+                forwarding_namespaces: {untyped: [envoy.lb.subset_hint]}
               message_timeout: 600s
               max_message_timeout: 600s
               processing_mode:

@@ -32,6 +32,11 @@ LB_NAMESPACE = "envoy.lb"
 SLO_HEADER = "x-slo-ttft-ms"
 TIMEOUT_HEADER = "x-request-timeout-ms"
 PREDICTED_HEADER = "x-narwhal-predicted-ttft-ms"
+# The Inference Extension conformance suite's test picker: a header naming the allowed
+# endpoints, and the served endpoint echoed back (router.conformance_hooks only).
+CONFORMANCE_SELECTION = "test-epp-endpoint-selection"
+CONFORMANCE_SERVED = "x-conformance-test-served-endpoint"
+MAX_BODY_CHUNK = 62_000  # Envoy's streamed body mutations, as the Inference Extension sends them
 # Client paths that exist besides the completion routes, passed to an engine as they are.
 PASSTHROUGH = frozenset({("GET", "/v1/models")})
 # Request headers that steer routing or Narwhal: never taken from a client.
@@ -49,7 +54,7 @@ class Headers:
     response: bool
     set: list[tuple[str, str]] = field(default_factory=list)
     remove: list[str] = field(default_factory=list)
-    destination: str | None = None
+    destination: str | None = None  # also: clear Envoy's route cache, the route may change
 
 
 @dataclass(slots=True)
@@ -88,7 +93,7 @@ class Exchange:
                  "relay", "assembler", "parser", "status", "terminal", "sized", "upstream_error",
                  "request_ended", "request_bytes", "response_bytes", "held", "arrival",
                  "deadline", "budget_s", "ticket", "timer", "sink", "client_headers_sent",
-                 "last_token_at", "strip", "engine_seen", "request_id")
+                 "last_token_at", "strip", "engine_seen", "request_id", "candidates")
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -122,9 +127,12 @@ class Exchange:
         self.strip: list[str] = []  # client headers not to forward
         self.engine_seen = 0.0  # when the engine last sent response bytes
         self.request_id = ""  # Envoy's x-request-id: how its access log names this exchange
+        self.candidates: frozenset[str] | None = None  # endpoints allowed (subset hint)
 
     # -- request ---------------------------------------------------------------
-    def request_headers(self, headers: dict[str, str], end_of_stream: bool) -> list[Action]:
+    def request_headers(self, headers: dict[str, str], end_of_stream: bool,
+                        subset: list[str] | None = None) -> list[Action]:
+        """``subset``: the gateway's ``envoy.lb.subset_hint`` endpoints, if it sent one."""
         if self.phase is not Phase.REQUEST_HEADERS:
             # A peer that sends request headers twice on one stream gets nothing for the
             # second: counting it again would hold a retention slot no terminal releases.
@@ -136,6 +144,7 @@ class Exchange:
         if not self.router.config.serving.forward_control_headers:
             prefixes += CONTROL_PREFIXES
         self.strip = [k for k in headers if k.startswith(prefixes)]
+        self.candidates = self._candidates(headers, subset)
         if path not in COMPLETION_PATHS:
             if (method, path) not in PASSTHROUGH:
                 # Only named paths exist: a variant (``//``, ``%2F``, a trailing ``/``) of a
@@ -177,8 +186,18 @@ class Exchange:
             return self.request_body(b"", True)
         return []
 
+    def _candidates(self, headers: dict[str, str], subset: list[str] | None
+                    ) -> frozenset[str] | None:
+        allowed = None if subset is None else frozenset(subset)
+        if self.router.config.router.conformance_hooks:
+            wanted = headers.get(CONFORMANCE_SELECTION)
+            if wanted is not None:
+                picked = frozenset(p.strip() for p in wanted.split(",") if p.strip())
+                allowed = picked if allowed is None else allowed & picked
+        return allowed
+
     def _passthrough_headers(self, end_of_stream: bool) -> list[Action]:
-        serviceable = self.router.scheduler.serviceable(self.router.clock())
+        serviceable = self.router.scheduler.serviceable(self.router.clock(), self.candidates)
         if not serviceable:
             return [Immediate(errors.backend_unavailable())]
         engine = min(serviceable, key=lambda e: e.in_flight)
@@ -213,7 +232,8 @@ class Exchange:
         self.sized = True
         now = self.router.clock()
         tokens = self.router.sizer.estimate(req.prompt_bytes, req.prompt_text)
-        self.ticket = Ticket(self, tokens, self.arrival, self.budget_s, self.deadline)
+        self.ticket = Ticket(self, tokens, self.arrival, self.budget_s, self.deadline,
+                             candidates=self.candidates)
         decision = self.router.scheduler.admit(self.ticket, now)
         if isinstance(decision, Refuse):
             return self._refuse(decision.error)
@@ -255,7 +275,7 @@ class Exchange:
                     set=[(DESTINATION_HEADER, engine.endpoint),
                          ("content-length", str(len(body)))],
                     remove=["accept-encoding", "transfer-encoding", *self.strip]),
-            Body(False, body, True),
+            *_bodies(False, body),
         ]
 
     def request_trailers(self) -> list[Action]:
@@ -298,10 +318,13 @@ class Exchange:
         return []  # held: the assembled body decides status and content-length
 
     def _info_headers(self) -> list[tuple[str, str]]:
+        out = []
         t = self.ticket
-        if t is None or t.predicted_ttft_s is None:
-            return []
-        return [(PREDICTED_HEADER, str(round(t.predicted_ttft_s * 1000)))]
+        if t is not None and t.predicted_ttft_s is not None:
+            out.append((PREDICTED_HEADER, str(round(t.predicted_ttft_s * 1000))))
+        if self.router.config.router.conformance_hooks and self.engine is not None:
+            out.append((CONFORMANCE_SERVED, self.engine.endpoint))
+        return out
 
     def response_body(self, chunk: bytes, end_of_stream: bool) -> list[Action]:
         if not self.completion:
@@ -408,7 +431,7 @@ class Exchange:
         self.client_headers_sent = True
         return [Headers(True, set=[("content-type", "application/json"),
                                    ("content-length", str(len(body))), *self._info_headers()]),
-                Body(True, body, True)]
+                *_bodies(True, body)]
 
     def _engine_refusal(self, exc: EngineErrorEvent) -> list[Action]:
         """The engine refused the request in its stream before any token: a non-streaming
@@ -586,6 +609,15 @@ class Exchange:
 
 def _drop(actions: list[Action]) -> None:
     pass
+
+
+def _bodies(response: bool, data: bytes) -> list[Body]:
+    """A whole body as streamed chunks of at most MAX_BODY_CHUNK bytes, the last ending it."""
+    if len(data) <= MAX_BODY_CHUNK:
+        return [Body(response, data, True)]
+    last = len(data) - 1
+    return [Body(response, data[i:i + MAX_BODY_CHUNK], i + MAX_BODY_CHUNK > last)
+            for i in range(0, len(data), MAX_BODY_CHUNK)]
 
 
 def _decimal(value: str, cap: int) -> int:

@@ -39,6 +39,8 @@ class Ticket:
     predicted_ttft_s: float | None = None  # client-level projection at admission
     first_token_at: float | None = None
     done: bool = False
+    # Endpoints the request may go to (a gateway's subset hint); None: any.
+    candidates: frozenset[str] | None = None
 
 
 class Decision:
@@ -100,8 +102,10 @@ class Scheduler:
         self.engines[:] = [e for e in self.engines if not (e.retired and e.in_flight == 0)]
 
     # -- eligibility ---------------------------------------------------------------
-    def serviceable(self, now: float) -> list[EngineState]:
-        return [e for e in self.engines if e.serviceable(now, self.stale_after_s)]
+    def serviceable(self, now: float, candidates: frozenset[str] | None = None
+                    ) -> list[EngineState]:
+        return [e for e in self.engines if e.serviceable(now, self.stale_after_s)
+                and (candidates is None or e.endpoint in candidates)]
 
     def all_stale(self, now: float) -> bool:
         live = [e for e in self.engines if not e.retired]
@@ -113,7 +117,7 @@ class Scheduler:
 
     # -- admission -----------------------------------------------------------------
     def admit(self, t: Ticket, now: float) -> Decision:
-        engines = self.serviceable(now)
+        engines = self.serviceable(now, t.candidates)
         if not engines:
             return Refuse(errors.backend_unavailable())
         total_tps = sum(e.model.prefill_tps for e in engines)
@@ -141,8 +145,11 @@ class Scheduler:
         sched = self.config.scheduler
         best: EngineState | None = None
         best_key: tuple[float, int] | None = None
+        candidates = t.candidates
         for e in engines:
             if not e.has_slot(sched.max_prefill_per_engine, sched.max_decode_per_engine):
+                continue
+            if candidates is not None and e.endpoint not in candidates:
                 continue
             key = (e.model.projected_ttft_s(now, t.tokens), e.decode)
             if best_key is None or key < best_key:

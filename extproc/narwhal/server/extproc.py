@@ -43,6 +43,27 @@ def _headers(msg: pb.HttpHeaders) -> dict[str, str]:
             for h in msg.headers.headers}
 
 
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+
+
+def _subset_hint(msg: pb.ProcessingRequest) -> list[str] | None:
+    """The endpoint-picker protocol's subset hint: a list of ``ip:port`` (or one
+    comma-separated string) in the request's filter metadata."""
+    if not msg.HasField("metadata_context"):
+        return None
+    ns = msg.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if ns is None or SUBSET_KEY not in ns.fields:
+        return None
+    value = ns.fields[SUBSET_KEY]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        return [v.string_value for v in value.list_value.values if v.string_value]
+    if kind == "string_value":
+        return [p.strip() for p in value.string_value.split(",") if p.strip()]
+    return []
+
+
 def _mutation(set_: list[tuple[str, str]], remove: list[str]) -> pb.HeaderMutation:
     return pb.HeaderMutation(
         set_headers=[base_pb2.HeaderValueOption(
@@ -94,6 +115,8 @@ def encode(action: Action) -> bytes:
         mutation = b"".join(_header_option(k, v) for k, v in action.set) + b"".join(
             _field(b"\x12", name.encode("latin-1")) for name in action.remove)
         common = _field(b"\x12", mutation) if mutation else b""  # header_mutation = 2
+        if action.destination is not None:
+            common += b"\x28\x01"  # clear_route_cache = 5
         out = _field(b"\x12" if action.response else b"\x0a", _field(b"\x0a", common))
         if not action.response and action.destination is not None:
             out += _field(b"\x42", _lb_metadata_bytes(action.destination))  # dynamic_metadata=8
@@ -120,6 +143,8 @@ def to_proto(action: Action) -> pb.ProcessingResponse:
         common = pb.CommonResponse()
         if action.set or action.remove:
             common.header_mutation.CopyFrom(_mutation(action.set, action.remove))
+        if action.destination is not None:
+            common.clear_route_cache = True
         hr = pb.HeadersResponse(response=common)
         if action.response:
             return pb.ProcessingResponse(response_headers=hr)
@@ -189,7 +214,7 @@ def _dispatch(ex: Exchange, msg: pb.ProcessingRequest) -> list[Action]:
         return ex.request_body(b.body, b.end_of_stream)
     if kind == "request_headers":
         h = msg.request_headers
-        return ex.request_headers(_headers(h), h.end_of_stream)
+        return ex.request_headers(_headers(h), h.end_of_stream, _subset_hint(msg))
     if kind == "response_headers":
         h = msg.response_headers
         return ex.response_headers(_headers(h), h.end_of_stream)

@@ -1,0 +1,93 @@
+"""The endpoint-picker protocol through a real Envoy: the gateway's subset hint, route-cache
+clearing, the conformance suite's test-picker hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from narwhal.launch import SimSpec, Stack
+
+from .conftest import MODEL, status
+
+MSGS = [{"role": "user", "content": "hi"}]
+SUBSET_HEADER = "x-test-subset"
+
+
+def add_subset_filter(cfg: dict) -> None:
+    """Stand in for a gateway that sets envoy.lb.subset_hint: copy a request header into
+    that metadata before the ext_proc filter (Envoy's header_to_metadata filter)."""
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    hcm["typed_config"]["http_filters"].insert(0, {
+        "name": "envoy.filters.http.header_to_metadata",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config",
+            "request_rules": [{"header": SUBSET_HEADER, "remove": True, "on_header_present": {
+                "metadata_namespace": "envoy.lb.subset_hint",
+                "key": "x-gateway-destination-endpoint-subset", "type": "STRING"}}]}})
+
+
+@pytest.fixture(scope="module")
+def picker() -> Iterator[Stack]:
+    stack = Stack(sims=[SimSpec("pick-a"), SimSpec("pick-b"), SimSpec("pick-c")],
+                  config={"router": {"conformance_hooks": True}}, model=MODEL,
+                  envoy_patch=add_subset_filter)
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def endpoints(stack: Stack) -> dict[str, str]:
+    return {e["name"]: e["endpoint"] for e in status(stack)["engines"]}
+
+
+def post(stack: Stack, headers: dict[str, str], stream: bool = False) -> httpx.Response:
+    return httpx.post(f"{stack.url}/v1/chat/completions", headers=headers, timeout=30,
+                      json={"model": MODEL, "messages": MSGS, "max_tokens": 2, "stream": stream})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_subset_hint_is_honoured(picker, stream):
+    ep = endpoints(picker)
+    for _ in range(6):
+        resp = post(picker, {SUBSET_HEADER: ep["pick-b"]}, stream)
+        assert resp.status_code == 200
+        assert resp.headers["x-conformance-test-served-endpoint"] == ep["pick-b"]
+    subset = f"{ep['pick-a']},{ep['pick-c']}"
+    served = {post(picker, {SUBSET_HEADER: subset}).headers["x-conformance-test-served-endpoint"]
+              for _ in range(8)}
+    assert served <= {ep["pick-a"], ep["pick-c"]}
+
+
+@pytest.mark.parametrize("subset", ["127.0.0.1:1", "10.0.0.1:8000,10.0.0.2:8000"])
+def test_empty_or_foreign_subset_is_503(picker, subset):
+    resp = post(picker, {SUBSET_HEADER: subset})
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "backend_unavailable"
+    assert resp.headers["retry-after"] == "1"
+
+
+def test_conformance_selection_header(picker):
+    ep = endpoints(picker)
+    resp = post(picker, {"test-epp-endpoint-selection": ep["pick-c"]})
+    assert resp.headers["x-conformance-test-served-endpoint"] == ep["pick-c"]
+    resp = httpx.get(f"{picker.url}/v1/models", timeout=30,
+                     headers={"test-epp-endpoint-selection": ep["pick-a"]})
+    assert resp.status_code == 200
+
+
+def test_spoofed_destination_is_ignored(picker):
+    ep = endpoints(picker)
+    resp = post(picker, {"x-gateway-destination-endpoint": "127.0.0.1:1",
+                         SUBSET_HEADER: ep["pick-a"]})
+    assert resp.status_code == 200
+    assert resp.headers["x-conformance-test-served-endpoint"] == ep["pick-a"]
+
+
+def test_hooks_are_off_by_default(stack):
+    resp = post(stack, {"test-epp-endpoint-selection": "127.0.0.1:1"})
+    assert resp.status_code == 200
+    assert "x-conformance-test-served-endpoint" not in resp.headers
