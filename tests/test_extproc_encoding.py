@@ -36,3 +36,43 @@ def test_body_encoding_matches_protobuf(size, response, eos):
     Trailers(True), Trailers(False), Immediate(backend_unavailable())])
 def test_other_actions_encode_as_protobuf_does(action):
     assert encode(action) == to_proto(action).SerializeToString()
+
+
+def test_header_reply_naming_an_engine_clears_the_route_cache():
+    action = Headers(False, set=[("x-gateway-destination-endpoint", "10.0.0.1:8000")],
+                     destination="10.0.0.1:8000")
+    fast = encode(action)
+    assert fast == to_proto(action).SerializeToString()
+    assert pb.ProcessingResponse.FromString(fast).request_headers.response.clear_route_cache
+    plain = pb.ProcessingResponse.FromString(encode(Headers(True, set=[("a", "b")])))
+    assert not plain.response_headers.response.clear_route_cache
+
+
+@pytest.mark.parametrize("value,expected", [
+    (["10.0.0.1:8000", "10.0.0.2:8000"], ["10.0.0.1:8000", "10.0.0.2:8000"]),
+    ("10.0.0.1:8000, 10.0.0.2:8000", ["10.0.0.1:8000", "10.0.0.2:8000"]),
+    ([], []), ("", []), (5, []),
+])
+def test_subset_hint_from_request_metadata(value, expected):
+    from google.protobuf import struct_pb2
+
+    from narwhal.server.extproc import SUBSET_KEY, SUBSET_NAMESPACE, _subset_hint
+
+    msg = pb.ProcessingRequest()
+    assert _subset_hint(msg) is None
+    ns = struct_pb2.Struct()
+    ns.update({SUBSET_KEY: value})
+    msg.metadata_context.filter_metadata[SUBSET_NAMESPACE].CopyFrom(ns)
+    assert _subset_hint(msg) == expected
+
+
+def test_access_log_verdicts():
+    from envoy.data.accesslog.v3 import accesslog_pb2
+
+    from narwhal.server.access_log import verdict
+
+    assert verdict(accesslog_pb2.ResponseFlags(upstream_remote_reset=True)) == "failed"
+    assert verdict(accesslog_pb2.ResponseFlags(upstream_protocol_error=True)) == "failed"
+    assert verdict(accesslog_pb2.ResponseFlags(downstream_connection_termination=True)) == \
+        "cancelled"
+    assert verdict(accesslog_pb2.ResponseFlags()) == "cancelled"
