@@ -1,7 +1,7 @@
 """Data-path benchmark: Envoy alone vs Envoy -> Narwhal, side by side in one run.
 
     python -m bench.datapath [--duration S] [--reps N] [--connections C]
-                             [--transports asyncio,grpcio]
+                             [--transports asyncio,grpcio] [--slots wide|default]
 
 (a) short requests (16 tokens) against an instant engine, non-streaming and
     streaming: requests/s of both paths, their ratio, Narwhal CPU µs per request;
@@ -60,7 +60,8 @@ def wrk(url: str, body: dict, seconds: float, connections: int, workdir: Path) -
 
 def short_requests(args: argparse.Namespace, workdir: Path, transport: str) -> list[str]:
     stack = Stack(sims=[SimSpec("instant")], model=MODEL,
-                  config={"serving": {"transport": transport}, "scheduler": SLOTS}).start()
+                  config={"serving": {"transport": transport},
+                          "scheduler": SLOTS if args.slots == "wide" else {}}).start()
     envoy, direct_port = plain_envoy(REPO_ROOT / "bench" / "envoy-direct.yaml", workdir,
                                      [stack.sims[0].port])
     narwhal_pid = stack.proc("narwhal").popen.pid
@@ -96,7 +97,8 @@ def paced_streams(args: argparse.Namespace, workdir: Path, transport: str) -> li
     tokens = 64
     stack = Stack(sims=[SimSpec("paced", args=["--tpot-ms", "5", "--max-num-seqs", "1024"])],
                   model=MODEL,
-                  config={"serving": {"transport": transport}, "scheduler": SLOTS}).start()
+                  config={"serving": {"transport": transport},
+                          "scheduler": SLOTS if args.slots == "wide" else {}}).start()
     narwhal_pid = stack.proc("narwhal").popen.pid
     body = {"model": MODEL, "max_tokens": tokens, "stream": True,
             "messages": [{"role": "user", "content": "hello there"}]}
@@ -123,6 +125,9 @@ def main() -> int:
     parser.add_argument("--connections", type=int, default=16, help="wrk connections for (a)")
     parser.add_argument("--transports", default="asyncio,grpcio",
                         help="serving.transport values to measure, comma-separated")
+    parser.add_argument("--slots", choices=["wide", "default"], default="wide",
+                        help="phase slots: wide enough for every client at once, or the "
+                             "default configuration's (requests then queue in Narwhal)")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         print("bench: wrk not found (apt-get install wrk)", file=sys.stderr)
@@ -135,7 +140,7 @@ def main() -> int:
     print(f"Narwhal data-path benchmark ({os.cpu_count()} CPUs, loop {loop}, medians of "
           f"{args.reps} x {args.duration:g}s)")
     print(f"reproduce: python -m bench.datapath --duration {args.duration:g} --reps {args.reps} "
-          f"--connections {args.connections} --transports {args.transports}")
+          f"--connections {args.connections} --transports {args.transports} --slots {args.slots}")
     for row in rows:
         print(row)
     return 0
