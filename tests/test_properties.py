@@ -260,3 +260,22 @@ def test_exchange_keeps_its_invariants(sequences):
     acct = router.accounting
     assert acct.in_flight == 0 and router.held == 0 and acct.balanced()
     assert all(e.in_flight == 0 for e in router.engines) and not router.scheduler.queue
+
+
+def test_many_small_messages_in_one_buffer_are_linear():
+    """300k empty messages arriving in one piece: delivered by walking the buffer once,
+    not by re-slicing what is left after each message."""
+    import time
+
+    calls: list[Recorder] = []
+    conn = GrpcConnection({b"/svc/M": lambda stream: calls.append(Recorder(stream))
+                           or calls[-1]})
+    conn.transport = Transport()
+    conn.http2.initiate()
+    conn._request(http2.RequestReceived(1, [(b":path", b"/svc/M")], False))
+    data = b"\x00\x00\x00\x00\x00" * 300_000
+    start = time.process_time()
+    conn._data(http2.DataReceived(1, data, True))
+    assert time.process_time() - start < 3.0
+    (call,) = calls
+    assert len(call.messages) == 300_000 and call.half_closed

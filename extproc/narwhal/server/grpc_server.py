@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -72,7 +73,7 @@ class Stream:
         self.call: Call | None = None
         self.headers_sent = False
         self.closed = False
-        self.pending: list[bytes] = []
+        self.pending: deque[bytes] = deque()
         self.pending_size = 0
         self.trailers: list[tuple[bytes, bytes]] = []
         self.half_closed = False
@@ -220,32 +221,45 @@ class GrpcConnection(asyncio.Protocol):
 
     def _deliver(self, st: Stream) -> None:
         """Hand the call its complete messages, then its half-close, while its output keeps
-        up; a call's exception ends its own stream, never the connection."""
-        while st.call is not None and st.pending_size <= OUT_HIGH:
-            if st.buffered >= 5:
-                head = st.parts[0][:5] if len(st.parts[0]) >= 5 else b"".join(st.parts)[:5]
-                if head[0] != 0:
-                    self._fail(st, UNIMPLEMENTED, "compressed messages are not supported")
-                    return
-                n = int.from_bytes(head[1:5], "big")
-                if n > self.max_message:
-                    self._fail(st, RESOURCE_EXHAUSTED,
-                               f"message of {n} bytes exceeds the {self.max_message}-byte limit")
-                    return
-                if st.buffered >= 5 + n:
-                    buf = st.parts[0] if len(st.parts) == 1 else b"".join(st.parts)
-                    msg = buf[5:5 + n]
-                    rest = buf[5 + n:]
-                    st.parts = [rest] if rest else []
-                    st.buffered = len(rest)
-                    self.http2.consumed(5 + n)
-                    if not self._call(st, st.call.on_message, msg):
-                        return
-                    continue
-            if st.half_closed and st.buffered == 0:
-                st.half_closed = False
-                self._call(st, st.call.on_half_close)
-            return
+        up; a call's exception ends its own stream, never the connection.
+
+        The buffered pieces are joined at most once per call and walked with an offset, so
+        a buffer holding many small messages costs linear time; a large partial message
+        is not joined until it is complete (its header is peeked)."""
+        buf, pos = b"", 0
+        while st.call is not None and st.pending_size <= OUT_HIGH and st.buffered >= 5:
+            if buf:
+                head = buf[pos:pos + 5]
+            else:
+                first = st.parts[0]
+                head = first[:5] if len(first) >= 5 else b"".join(st.parts)[:5]
+            if head[0] != 0:
+                self._fail(st, UNIMPLEMENTED, "compressed messages are not supported")
+                return
+            n = int.from_bytes(head[1:5], "big")
+            if n > self.max_message:
+                self._fail(st, RESOURCE_EXHAUSTED,
+                           f"message of {n} bytes exceeds the {self.max_message}-byte limit")
+                return
+            if st.buffered < 5 + n:
+                break
+            if not buf:
+                buf = st.parts[0] if len(st.parts) == 1 else b"".join(st.parts)
+                st.parts = []
+            msg = buf[pos + 5:pos + 5 + n]
+            pos += 5 + n
+            st.buffered -= 5 + n
+            self.http2.consumed(5 + n)
+            if not self._call(st, st.call.on_message, msg):
+                if st.buffered and not st.parts:  # finished with input left: keep it counted
+                    st.parts = [buf[pos:]]
+                return
+        if buf and st.buffered:
+            st.parts = [buf[pos:]]
+        if st.call is not None and st.half_closed and not st.buffered \
+                and st.pending_size <= OUT_HIGH:
+            st.half_closed = False
+            self._call(st, st.call.on_half_close)
 
     def _call(self, st: Stream, method: Callable[..., None], *args: bytes) -> bool:
         try:
@@ -281,7 +295,7 @@ class GrpcConnection(asyncio.Protocol):
         if st is None:
             return
         self.drop(st)
-        st.pending = []
+        st.pending.clear()
         st.pending_size = 0
         if st.call is not None:
             call, st.call = st.call, None
@@ -301,7 +315,7 @@ class GrpcConnection(asyncio.Protocol):
                 pending[0] = piece[sent:]
                 self.blocked.add(st.id)
                 return
-            pending.pop(0)
+            pending.popleft()
         self.blocked.discard(st.id)
         if st.closed:
             self.http2.send_headers(st.id, st.trailers, end_stream=True)
