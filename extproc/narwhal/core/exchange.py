@@ -394,12 +394,9 @@ class Exchange:
         decode failed, and the client gets Narwhal's error event with no ``[DONE]``."""
         assert self.meter is not None
         if self.meter.first_token_seen:
-            self._flush_relay(out)
-            out.append(errors.engine_failure(str(exc)).sse_event())
-            self._finish(errors.FAILED)
-        else:
-            out += (b"data: " + exc.raw + b"\n\n", DONE)
-            self._finish(errors.INVALID if exc.status < 500 else errors.FAILED)
+            return self._end_failed(errors.engine_failure(str(exc)), out)
+        out += (b"data: " + exc.raw + b"\n\n", DONE)
+        self._finish(errors.INVALID if exc.status < 500 else errors.FAILED)
         return [Body(True, b"".join(out), True)]
 
     def _assemble(self, chunk: bytes, end_of_stream: bool) -> list[Action]:
@@ -460,10 +457,18 @@ class Exchange:
     def _engine_fault(self, exc: Exception) -> list[Action]:
         if isinstance(exc, TokenIdError) and self.engine is not None:
             self.engine.measurement_failures += 1
-        err = errors.engine_failure(str(exc))
-        if self.relay is not None:
+        return self._end_failed(errors.engine_failure(str(exc)))
+
+    def _end_failed(self, err: HttpError, out: list[bytes] | None = None) -> list[Action]:
+        """End a request that failed. A stream whose headers are out gets what is still
+        pending (``out``, the relay's held event) and a final error event, no ``[DONE]``;
+        anything else gets the error response."""
+        if self.relay is not None and self.client_headers_sent:
+            out = [] if out is None else out
+            self._flush_relay(out)
+            out.append(err.sse_event())
             self._finish(errors.FAILED)
-            return [Body(True, err.sse_event(), True)]
+            return [Body(True, b"".join(out), True)]
         return self._refuse(err)
 
     def _upstream_error(self, chunk: bytes, end_of_stream: bool) -> list[Action]:
@@ -532,12 +537,8 @@ class Exchange:
 
     def internal_error(self, exc: BaseException) -> list[Action]:
         """A bug in Narwhal: answer 500 if the client can still be told, count it failed."""
-        err = errors.HttpError(500, f"internal router error: {type(exc).__name__}",
-                               "internal_error", errors.FAILED)
-        if self.phase is Phase.RESPONSE_BODY and self.relay is not None:
-            self._finish(errors.FAILED)
-            return [Body(True, err.sse_event(), True)]
-        return self._refuse(err)
+        return self._end_failed(errors.HttpError(
+            500, f"internal router error: {type(exc).__name__}", "internal_error", errors.FAILED))
 
     # -- time ------------------------------------------------------------------
     def _arm(self, when: float) -> None:
@@ -581,11 +582,7 @@ class Exchange:
         stall_ms = self.router.config.serving.engine_stall_timeout_ms
         stall_end = self.engine_seen + stall_ms / 1000
         if now >= stall_end - TIMER_SLACK:
-            err = errors.engine_stalled(stall_ms)
-            if self.relay is not None:
-                self._finish(errors.FAILED)
-                return [Body(True, err.sse_event(), True)]
-            return self._refuse(err)
+            return self._end_failed(errors.engine_stalled(stall_ms))
         if not self.client_headers_sent:
             if now >= self.deadline - TIMER_SLACK:
                 return self._refuse(errors.terminal_expiry("the request deadline expired"))
