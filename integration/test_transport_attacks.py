@@ -124,93 +124,91 @@ def grpc_status(events: list, sid: int) -> int | None:
     return None
 
 
-def test_continuation_flood_is_cut_off(router):
-    usage = Usage(router)
-    peer = Peer(router)
-    block = peer.h2.encoder.encode([(":method", "POST"), (":path", CHECK)])
-    flood = frame(http2.HEADERS, 0, 1, block) + frame(http2.CONTINUATION, 0, 1) * 40_000
-    with contextlib.suppress(OSError):  # the server may close before all of it is sent
-        peer.sock.sendall(flood)
-    events = peer.events(lambda evs: any(isinstance(e, h2.events.ConnectionTerminated)
-                                         or e == "eof" for e in evs))
-    terminated = [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
-    assert terminated and terminated[0].error_code == http2.ENHANCE_YOUR_CALM
-    peer.close()
+@contextlib.contextmanager
+def attack(stack: Stack) -> Iterator[Peer]:
+    """One attack from a raw peer; afterwards the router must be within its CPU and RSS
+    bounds and still serving."""
+    usage = Usage(stack)
+    peer = Peer(stack)
+    try:
+        yield peer
+    finally:
+        peer.close()
     usage.check()
-    serving(router)
+    serving(stack)
+
+
+def test_continuation_flood_is_cut_off(router):
+    with attack(router) as peer:
+        block = peer.h2.encoder.encode([(":method", "POST"), (":path", CHECK)])
+        flood = frame(http2.HEADERS, 0, 1, block) + frame(http2.CONTINUATION, 0, 1) * 40_000
+        with contextlib.suppress(OSError):  # the server may close before all of it is sent
+            peer.sock.sendall(flood)
+        events = peer.events(lambda evs: any(isinstance(e, h2.events.ConnectionTerminated)
+                                             or e == "eof" for e in evs))
+        terminated = [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
+        assert terminated and terminated[0].error_code == http2.ENHANCE_YOUR_CALM
 
 
 def test_oversized_message_is_resource_exhausted(router):
-    usage = Usage(router)
-    peer = Peer(router)
-    sid = peer.headers(PROCESS)
-    peer.h2.send_data(sid, b"\x00" + (63 * 1024 * 1024).to_bytes(4, "big") + b"x" * 1000)
-    peer.flush()
-    events = peer.events(lambda evs: grpc_status(evs, sid) is not None)
-    assert grpc_status(events, sid) == 8  # RESOURCE_EXHAUSTED
-    peer.close()
-    usage.check()
-    serving(router)
+    with attack(router) as peer:
+        sid = peer.headers(PROCESS)
+        peer.h2.send_data(sid, b"\x00" + (63 * 1024 * 1024).to_bytes(4, "big") + b"x" * 1000)
+        peer.flush()
+        events = peer.events(lambda evs: grpc_status(evs, sid) is not None)
+        assert grpc_status(events, sid) == 8  # RESOURCE_EXHAUSTED
 
 
 def test_partial_messages_on_many_streams_are_bounded(router):
     """40 streams each sending most of a 4 MiB message: the connection window (8 MiB),
     not 160 MiB, bounds what the router holds; closing frees it."""
-    usage = Usage(router)
-    peer = Peer(router)
-    peer.h2.increment_flow_control_window(1 << 30)
-    peer.flush()
-    sids = [peer.headers(PROCESS) for _ in range(40)]
-    chunk = b"y" * 16384
-    sent = 0
-    for sid in sids:
-        peer.h2.send_data(sid, b"\x00" + (4 * 1024 * 1024).to_bytes(4, "big"))
-        while peer.h2.local_flow_control_window(sid) >= len(chunk) and \
-                peer.h2.max_outbound_frame_size >= len(chunk):
-            peer.h2.send_data(sid, chunk)
-            sent += len(chunk)
-            peer.flush()
-            if sent > 3 * 1024 * 1024 * (1 + sids.index(sid)):
-                break
-    # The server granted at most its connection window, whatever the streams' windows.
-    assert sent <= 8 * 1024 * 1024 + 40 * 16384
-    usage.check()
-    peer.close()
-    serving(router)
+    with attack(router) as peer:
+        peer.h2.increment_flow_control_window(1 << 30)
+        peer.flush()
+        sids = [peer.headers(PROCESS) for _ in range(40)]
+        chunk = b"y" * 16384
+        sent = 0
+        for sid in sids:
+            peer.h2.send_data(sid, b"\x00" + (4 * 1024 * 1024).to_bytes(4, "big"))
+            while peer.h2.local_flow_control_window(sid) >= len(chunk) and \
+                    peer.h2.max_outbound_frame_size >= len(chunk):
+                peer.h2.send_data(sid, chunk)
+                sent += len(chunk)
+                peer.flush()
+                if sent > 3 * 1024 * 1024 * (1 + sids.index(sid)):
+                    break
+        # The server granted at most its connection window, whatever the streams' windows.
+        assert sent <= 8 * 1024 * 1024 + 40 * 16384
 
 
 def test_a_peer_that_does_not_read_cannot_grow_the_router(router):
     """PINGs and health checks whose answers are never read: the router stops reading."""
-    usage = Usage(router)
-    peer = Peer(router)
-    peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    ping = frame(http2.PING, 0, 0, b"12345678")
-    peer.sock.settimeout(5)
-    sent = 0
-    with contextlib.suppress(TimeoutError, OSError):
-        while sent < 64 * 1024 * 1024:  # stops when the router stops reading
-            peer.sock.sendall(ping * 4096)
-            sent += len(ping) * 4096
-    assert sent < 64 * 1024 * 1024, "the router kept reading a peer that never reads"
-    usage.check()
-    peer.close()
-    serving(router)
+    with attack(router) as peer:
+        peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        ping = frame(http2.PING, 0, 0, b"12345678")
+        peer.sock.settimeout(5)
+        sent = 0
+        with contextlib.suppress(TimeoutError, OSError):
+            while sent < 64 * 1024 * 1024:  # stops when the router stops reading
+                peer.sock.sendall(ping * 4096)
+                sent += len(ping) * 4096
+        assert sent < 64 * 1024 * 1024, "the router kept reading a peer that never reads"
 
 
 def test_undecodable_health_check_fails_alone(router):
-    peer = Peer(router)
-    good = peer.headers(CHECK)
-    bad = peer.headers(CHECK)
-    peer.h2.send_data(bad, b"\x00" + (3).to_bytes(4, "big") + b"\xff\xff\xff", end_stream=True)
-    msg = health_pb2.HealthCheckRequest(service="").SerializeToString()
-    peer.h2.send_data(good, b"\x00" + len(msg).to_bytes(4, "big") + msg, end_stream=True)
-    peer.flush()
-    events = peer.events(lambda evs: grpc_status(evs, good) is not None
-                         and grpc_status(evs, bad) is not None)
-    assert grpc_status(events, good) == 0
-    assert grpc_status(events, bad) != 0
-    assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
-    peer.close()
+    with attack(router) as peer:
+        good = peer.headers(CHECK)
+        bad = peer.headers(CHECK)
+        peer.h2.send_data(bad, b"\x00" + (3).to_bytes(4, "big") + b"\xff\xff\xff",
+                          end_stream=True)
+        msg = health_pb2.HealthCheckRequest(service="").SerializeToString()
+        peer.h2.send_data(good, b"\x00" + len(msg).to_bytes(4, "big") + msg, end_stream=True)
+        peer.flush()
+        events = peer.events(lambda evs: grpc_status(evs, good) is not None
+                             and grpc_status(evs, bad) is not None)
+        assert grpc_status(events, good) == 0
+        assert grpc_status(events, bad) != 0
+        assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
 
 
 def test_connections_without_a_preface_are_closed(router):
@@ -239,28 +237,25 @@ def test_echoed_bodies_not_read_back_are_bounded(router):
     from envoy.config.core.v3 import base_pb2
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-    usage = Usage(router)
-    peer = Peer(router)
-    peer.h2.increment_flow_control_window(1 << 30)
-    peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sid = peer.headers(PROCESS)
-    hdrs = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/models"),
-                                       base_pb2.HeaderValue(key=":method", raw_value=b"GET")])
-    first = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hdrs)).SerializeToString()
-    chunk = pb.ProcessingRequest(request_body=pb.HttpBody(body=b"e" * (1 << 20))).SerializeToString()
-    messages = [first] + [chunk] * 32
-    sent = 0
-    peer.sock.settimeout(3)
-    with contextlib.suppress(TimeoutError, OSError):
-        for m in messages:
-            data = b"\x00" + len(m).to_bytes(4, "big") + m
-            for i in range(0, len(data), 16384):
-                while peer.h2.local_flow_control_window(sid) < 16384:
-                    raise TimeoutError  # the router stopped granting window: held
-                peer.h2.send_data(sid, data[i:i + 16384])
-                peer.flush()
-                sent += 16384
-    assert sent < 32 << 20, "the router kept accepting input it could not send back"
-    usage.check()
-    peer.close()
-    serving(router)
+    with attack(router) as peer:
+        peer.h2.increment_flow_control_window(1 << 30)
+        peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sid = peer.headers(PROCESS)
+        hdrs = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/models"),
+                                           base_pb2.HeaderValue(key=":method", raw_value=b"GET")])
+        first = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hdrs)).SerializeToString()
+        chunk = pb.ProcessingRequest(request_body=pb.HttpBody(body=b"e" * (1 << 20))).SerializeToString()
+        messages = [first] + [chunk] * 32
+        sent = 0
+        peer.sock.settimeout(3)
+        with contextlib.suppress(TimeoutError, OSError):
+            for m in messages:
+                data = b"\x00" + len(m).to_bytes(4, "big") + m
+                for i in range(0, len(data), 16384):
+                    if peer.h2.local_flow_control_window(sid) < 16384:
+                        raise TimeoutError  # the router stopped granting window: held
+                    peer.h2.send_data(sid, data[i:i + 16384])
+                    peer.flush()
+                    sent += 16384
+        assert sent < 32 << 20, "the router kept accepting input it could not send back"
+
