@@ -13,19 +13,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from .errors import CANCELLED
 
-
-class _Timers(Protocol):
-    def call_later(self, delay: float, callback: Callable[[], None]) -> object: ...
+if TYPE_CHECKING:
+    from .router import Timers
 
 
 class CloseVerdicts:
     __slots__ = ("wait_s", "timers", "pending", "early", "capacity")
 
-    def __init__(self, wait_s: float, timers: _Timers, capacity: int = 4096) -> None:
+    def __init__(self, wait_s: float, timers: Timers, capacity: int = 4096) -> None:
         self.wait_s = wait_s
         self.timers = timers
         self.capacity = capacity

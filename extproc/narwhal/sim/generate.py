@@ -127,6 +127,12 @@ class Plan:
     finish: list[str] = field(default_factory=list)
     stop_reasons: list[str | None] = field(default_factory=list)
 
+    @property
+    def reasoning_hidden(self) -> bool:
+        """``include_reasoning: false`` under a reasoning parser: vLLM sends no reasoning
+        and nulls every event's token IDs."""
+        return not self.include_reasoning and self.reasoning != "none"
+
 
 def _render(body: dict[str, Any]) -> str:
     """The prompt as the engine sees it: a ChatML template for chat, tools included."""
@@ -408,7 +414,7 @@ def _delta(plan: Plan, index: int, tok: Tok) -> dict[str, Any] | None:
         return {"function_call": {"name": "legacy_fn", "arguments": tok.piece}
                 if tok.head else {"arguments": tok.piece}}
     delta = {tok.kind: tok.piece}
-    if not plan.include_reasoning and plan.reasoning != "none":
+    if plan.reasoning_hidden:
         delta["reasoning"] = None
     return delta
 
@@ -461,16 +467,14 @@ def _events(plan: Plan) -> Iterator[tuple[str, dict[str, Any] | None]]:
                 if plan.logprobs and tok.kind in ("content", "refusal") and delta is not None:
                     lp = {tok.kind: [_chat_logprob_entry(plan, tok)]}
                 if delta is None:
-                    hide = not plan.include_reasoning and plan.reasoning != "none"
-                    if not last and lp is None and (not ids or hide):
+                    if not last and lp is None and (not ids or plan.reasoning_hidden):
                         yield "token", None  # a token the client never sees
                         continue
                     delta = {}
                 choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": lp,
                                           "finish_reason": None}
                 if vllm:
-                    hidden = not plan.include_reasoning and plan.reasoning != "none"
-                    choice["token_ids"] = [tok.id] if ids and not hidden else None
+                    choice["token_ids"] = [tok.id] if ids and not plan.reasoning_hidden else None
             else:
                 text = tok.piece
                 if pos == 0 and plan.echo and not ids:
