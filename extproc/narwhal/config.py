@@ -102,6 +102,10 @@ class Telemetry:
     admin_port: int = 9090
     health_interval_ms: int = 1000
     health_timeout_ms: int = 1000
+    # Consecutive timed-out checks before a healthy engine counts as unhealthy: a busy
+    # engine answers slowly, which is not a "no". A refused connection or a non-200
+    # /health answer marks it unhealthy at once; stale telemetry still applies.
+    unhealthy_after_timeouts: int = 3
     stale_after_ms: int = 5000
     # The bearer token admin mutations (/admin/*) require; with none set they are refused.
     # One of: the token itself, a file holding it (a mounted Secret), an environment variable.
@@ -146,7 +150,8 @@ POSITIVE = {
     "admission.request_timeout_ms", "admission.max_ttft_target_ms",
     "scheduler.max_prefill_per_engine",
     "scheduler.max_decode_per_engine", "telemetry.health_interval_ms",
-    "telemetry.health_timeout_ms", "telemetry.stale_after_ms", "engines.prefill_tps",
+    "telemetry.health_timeout_ms", "telemetry.stale_after_ms",
+    "telemetry.unhealthy_after_timeouts", "engines.prefill_tps",
     "engines.tpot_ms", "sizing.bytes_per_token", "engines.interval_ms",
 }
 PORTS = {"serving.extproc_port", "telemetry.admin_port", "engines.port"}

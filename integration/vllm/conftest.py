@@ -81,6 +81,8 @@ def _pair(server: VllmServer) -> Iterator[Pair]:
         # Wire fidelity is under test here, not admission: a budget no CPU prefill misses.
         "admission": {"ttft_target_ms": 120_000, "max_ttft_target_ms": 120_000},
         "engines": [{"name": server.name, "url": server.url, "dialect": "vllm"}],
+        # Two CPU vLLMs share 2 cores with the tests: /health can take seconds.
+        "telemetry": {"health_timeout_ms": 5000, "stale_after_ms": 30_000},
     }
     stack = Stack(sims=[], config=config, model=SERVED_MODEL)
     stack.start()

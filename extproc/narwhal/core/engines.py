@@ -66,6 +66,7 @@ class EngineState:
     model: PerfModel
     healthy: bool = False
     checked: bool = False
+    health_timeouts: int = 0  # consecutive timed-out health checks
     telemetry_at: float | None = None  # monotonic time of the last good /metrics scrape
     running: float = 0.0
     waiting: float = 0.0

@@ -3,6 +3,8 @@
 An engine whose last good scrape is older than ``telemetry.stale_after_ms`` is not
 placement-eligible; when every engine is stale the router is monitoring-degraded.
 Engines without a /metrics route (404) count as fresh on a passing health check.
+A check that times out counts against an engine only after
+``telemetry.unhealthy_after_timeouts`` in a row (a busy engine is slow, not down).
 """
 
 from __future__ import annotations
@@ -56,8 +58,14 @@ async def scrape_engine(router: Router, engine: EngineState,
                     fresh = True
                 else:
                     fresh = resp.status == 404
-    except (TimeoutError, aiohttp.ClientError, OSError):
+    except TimeoutError:
+        engine.health_timeouts += 1
+        limit = router.config.telemetry.unhealthy_after_timeouts
+        ok, fresh = engine.healthy and engine.health_timeouts < limit, False
+    except (aiohttp.ClientError, OSError):
         ok = fresh = False
+    else:
+        engine.health_timeouts = 0
     if ok != engine.healthy or not engine.checked:
         log.info("engine %s is %s", engine.name, "healthy" if ok else "unhealthy")
     engine.healthy = ok
