@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import os
 import signal
 import time
@@ -185,8 +186,12 @@ def predictive():
     )
 
 
+_PROMPTS = itertools.count()
+
+
 def prompt(tokens: int) -> list[dict]:
-    return [{"role": "user", "content": "abcd" * tokens}]  # the simulator: 4 bytes a token
+    """A fresh prompt (the simulator caches prefixes; 4 bytes a token)."""
+    return [{"role": "user", "content": f"{next(_PROMPTS):08d}" + "abcd" * (tokens - 2)}]
 
 
 def test_prompt_alone_over_budget_is_429_without_retry_after(predictive):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import httpx
 import orjson
 import pytest
@@ -66,3 +68,58 @@ def test_abrupt_close_cuts_the_stream(sim):
     with pytest.raises(httpx.RemoteProtocolError):
         httpx.post(f"{sim}/v1/chat/completions", json=BODY | {"stream": True},
                    headers={"x-sim-fault": "abrupt-close"})
+
+
+def _metric(base: str, name: str) -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(f"vllm:{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no vllm:{name}")
+
+
+def test_metrics_count_prefix_cache_hits(sim):
+    """Two requests with one long shared prefix: the second's full blocks are hits."""
+    system = {"role": "system", "content": "You are a narwhal. " * 40}  # ~190 tokens
+    queries, hits = _metric(sim, "prefix_cache_queries_total"), _metric(sim,
+                                                                        "prefix_cache_hits_total")
+    for question in ("first?", "second?"):
+        body = {"model": MODEL, "max_tokens": 2,
+                "messages": [system, {"role": "user", "content": question}]}
+        assert httpx.post(f"{sim}/v1/chat/completions", json=body).status_code == 200
+    asked = _metric(sim, "prefix_cache_queries_total") - queries
+    got = _metric(sim, "prefix_cache_hits_total") - hits
+    assert asked > 380
+    assert 160 <= got < asked / 2  # the shared system prompt's full blocks, once
+
+
+def test_waiting_and_running_tell_the_truth():
+    """--max-num-seqs 1: a long request runs, the next one waits in the engine; the
+    client that leaves has its sequence aborted, and the waiting one runs."""
+    stack = Stack(sims=[SimSpec("sim-seqs", args=["--max-num-seqs", "1", "--tpot-ms", "50"])],
+                  model=MODEL).start_sims()
+    base = f"http://127.0.0.1:{stack.sims[0].port}"
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            with httpx.Client(timeout=60) as c, c.stream(
+                    "POST", f"{base}/v1/chat/completions",
+                    json=BODY | {"stream": True, "max_tokens": 2000}) as long:
+                next(long.iter_lines())  # it runs (for 100 s)
+                behind = pool.submit(httpx.post, f"{base}/v1/chat/completions", json=BODY,
+                                     timeout=60)
+                polls = 0
+                while _metric(base, "num_requests_waiting") != 1.0:
+                    polls += 1
+                    assert polls < 1000 and not behind.done()
+                assert _metric(base, "num_requests_running") == 1.0
+            assert behind.result().status_code == 200  # ran once the long one was aborted
+        assert _metric(base, "num_requests_running") == 0.0
+        assert _metric(base, "kv_cache_usage_perc") == 0.0
+    finally:
+        stack.stop()
+
+
+def test_speed_knob_is_validated(sim):
+    assert httpx.post(f"{sim}/sim/speed", json={"speed": 0.5}).json() == {"speed": 0.5}
+    assert httpx.post(f"{sim}/sim/speed", json={"speed": 1}).json() == {"speed": 1.0}
+    bad = httpx.post(f"{sim}/sim/speed", json={"speed": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "speed"

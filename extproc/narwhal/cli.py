@@ -8,12 +8,45 @@ import sys
 
 from .config import Config, ConfigError, load
 from .core.sizing import SizingError
+from .sim.batching import BLOCK_SIZE, PROFILES, BatchScheduler, Profile, StepCost
 
 
 def _config(path: str | None) -> Config:
     if path is None:
         return Config()
     return load(path)
+
+
+def _batch_scheduler(args: argparse.Namespace) -> BatchScheduler:
+    """The simulator's engine from --profile and the flags that override it."""
+    base = PROFILES[args.profile] if args.profile else Profile(StepCost(), 65_536)
+    cost = StepCost(
+        base.cost.base_ms if args.tpot_ms is None else args.tpot_ms,
+        base.cost.per_token_ms if args.prefill_tps is None else
+        (1000.0 / args.prefill_tps if args.prefill_tps > 0 else 0.0),
+        base.cost.per_ktok_ctx_ms if args.ctx_ms_per_ktok is None else args.ctx_ms_per_ktok)
+    blocks = _given(args.num_gpu_blocks, base.num_gpu_blocks)
+    budget = _given(args.max_num_batched_tokens, base.max_num_batched_tokens)
+    seqs = _given(args.max_num_seqs, base.max_num_seqs)
+    if min(blocks, budget, seqs) <= 0:
+        raise ConfigError("--num-gpu-blocks, --max-num-batched-tokens and --max-num-seqs "
+                          "must be positive")
+    for name, value in (("--tpot-ms", cost.base_ms), ("--prefill-tps", cost.per_token_ms),
+                        ("--ctx-ms-per-ktok", cost.per_ktok_ctx_ms)):
+        if value < 0:
+            raise ConfigError(f"{name} must not be negative")
+    if args.time_scale <= 0:
+        raise ConfigError("--time-scale must be positive")
+    if blocks * BLOCK_SIZE < args.max_model_len:
+        raise ConfigError(f"--num-gpu-blocks {blocks} x {BLOCK_SIZE} tokens cannot hold "
+                          f"one --max-model-len {args.max_model_len} sequence (vLLM refuses "
+                          "to start too)")
+    return BatchScheduler(cost, budget, seqs, blocks,
+                          prefix_caching=not args.no_enable_prefix_caching)
+
+
+def _given(flag: int | None, default: int) -> int:
+    return default if flag is None else flag
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,13 +65,25 @@ def main(argv: list[str] | None = None) -> int:
     p_sim.add_argument("--port", type=int, default=8001)
     p_sim.add_argument("--model", default="narwhal-sim")
     p_sim.add_argument("--dialect", choices=["vllm", "openai"], default="vllm")
-    p_sim.add_argument("--prefill-tps", type=float, default=0.0,
-                       help="prompt tokens per second (0: instant prefill)")
-    p_sim.add_argument("--tpot-ms", type=float, default=0.0,
-                       help="milliseconds per output token at batch 1 (0: instant)")
-    p_sim.add_argument("--max-num-seqs", type=int, default=256)
-    p_sim.add_argument("--batch-slowdown", type=float, default=0.0,
-                       help="TPOT grows by this fraction per extra running sequence")
+    p_sim.add_argument("--profile", choices=sorted(PROFILES),
+                       help="a GPU + model timing profile (the flags below override it)")
+    p_sim.add_argument("--tpot-ms", type=float, default=None,
+                       help="fixed milliseconds per engine step (0: instant)")
+    p_sim.add_argument("--prefill-tps", type=float, default=None,
+                       help="scheduled tokens per second of step compute (0: free)")
+    p_sim.add_argument("--ctx-ms-per-ktok", type=float, default=None,
+                       help="step milliseconds per 1000 tokens of context attended")
+    p_sim.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="token budget per step (vLLM's flag; 2048)")
+    p_sim.add_argument("--max-num-seqs", type=int, default=None,
+                       help="sequences running at once (vLLM's flag; 256)")
+    p_sim.add_argument("--num-gpu-blocks", type=int, default=None,
+                       help="KV-cache blocks of 16 tokens (65536)")
+    p_sim.add_argument("--no-enable-prefix-caching", action="store_true",
+                       help="turn automatic prefix caching off (vLLM's flag)")
+    p_sim.add_argument("--time-scale", type=float, default=1.0,
+                       help="multiply every step's duration (run a GPU profile slower on "
+                            "a small machine)")
     p_sim.add_argument("--slow-start-ms", type=float, default=1500.0,
                        help="first-token delay added by x-sim-fault: slow-start")
     p_sim.add_argument("--reasoning", choices=["none", "reasoning", "reasoning_content", "both"],
@@ -69,15 +114,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ok: model {cfg.serving.model}, {len(cfg.engines)} engine(s)")
         elif args.command == "sim":
             from .sim.generate import SimOptions
-            from .sim.server import Timing
             from .sim.server import run as run_sim
 
             run_sim(args.host, args.port,
                     SimOptions(model=args.model, dialect=args.dialect, reasoning=args.reasoning,
                                max_model_len=args.max_model_len),
-                    Timing(prefill_tps=args.prefill_tps, tpot_ms=args.tpot_ms,
-                           max_num_seqs=args.max_num_seqs, batch_slowdown=args.batch_slowdown,
-                           slow_start_ms=args.slow_start_ms))
+                    _batch_scheduler(args), args.slow_start_ms, args.time_scale)
         elif args.command == "envoy-config":
             from .launch import ENVOY_CONFIG
 

@@ -1,25 +1,28 @@
-"""The simulator's HTTP face: vLLM's routes, pacing, concurrency and transport faults.
+"""The simulator's HTTP face: vLLM's routes, step pacing, and transport faults.
 
-Timing model: a request waits for one of ``max_num_seqs`` slots (vLLM's waiting
-queue); prefill is one FIFO server of ``prefill_tps`` tokens/s shared by all requests
-(as one GPU's prefill compute is), so a request's first token comes after the prompts
-ahead of it and its own; then ``tpot_ms * (1 + batch_slowdown * (running - 1))`` per
-further token.
+Timing comes from ``batching.BatchScheduler`` (continuous batching, chunked prefill,
+KV blocks with preemption, prefix caching). One task runs the engine's steps: it plans
+a step, sleeps for the step's cost (times ``time_scale``, divided by the runtime
+``speed`` knob), then wakes the requests that got a token. Request handlers wait for
+their sequence's progress and write what the engine has produced.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from array import array
 
 import orjson
 from aiohttp import web
 
+from .batching import BLOCK_SIZE, BatchScheduler, Seq, block_hashes
 from .generate import (
     FAULTS,
     OUTPUTS,
+    Plan,
     SimOptions,
     SimRequestError,
     full_response,
@@ -28,32 +31,78 @@ from .generate import (
 )
 
 log = logging.getLogger("narwhal.sim")
+PROMPT_BYTES_PER_TOKEN = 4  # generate.count_prompt_tokens
 
 
-@dataclass(slots=True)
-class Timing:
-    prefill_tps: float = 0.0
-    tpot_ms: float = 0.0
-    max_num_seqs: int = 256
-    batch_slowdown: float = 0.0
-    slow_start_ms: float = 1500.0
+def _hashes(plan: Plan) -> list[int]:
+    """The prompt's chained block hashes: over the rendered text (4 bytes a token), or
+    over the token IDs of a token prompt."""
+    if plan.prompt_text:
+        return block_hashes(plan.prompt_text.encode(), PROMPT_BYTES_PER_TOKEN * BLOCK_SIZE)
+    return block_hashes(array("q", plan.prompt_token_ids).tobytes(), 8 * BLOCK_SIZE)
 
 
 class Engine:
-    def __init__(self, opts: SimOptions, timing: Timing) -> None:
+    def __init__(self, opts: SimOptions, sched: BatchScheduler, slow_start_ms: float = 1500.0,
+                 time_scale: float = 1.0) -> None:
         self.opts = opts
-        self.timing = timing
-        self.slots = asyncio.Semaphore(timing.max_num_seqs)
-        self.running = 0
-        self.waiting = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+        self.sched = sched
+        self.slow_start_ms = slow_start_ms
+        self.time_scale = time_scale
+        self.speed = 1.0  # runtime knob (POST /sim/speed): drift
         self.requests_total = 0
-        self.prefill_free_at = 0.0
+        self.steps = 0
+        self.waiters: dict[Seq, asyncio.Event] = {}
+        self.kick = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
 
-    def tpot_s(self) -> float:
-        t = self.timing
-        return t.tpot_ms / 1000.0 * (1.0 + t.batch_slowdown * max(0, self.running - 1))
+    async def _start(self, app: web.Application) -> None:
+        self.task = asyncio.create_task(self._run())
+
+    async def _stop(self, app: web.Application) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+    async def _run(self) -> None:
+        """The engine's step loop. A step that ends late is not made up by the next one
+        sleeping less than zero, but the following ones catch up (throughput is kept)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time()
+        while True:
+            if not self.sched.busy():
+                self.kick.clear()
+                await self.kick.wait()
+                end = loop.time()
+                continue
+            result = self.sched.step()
+            self.steps += 1
+            now = loop.time()
+            end = max(end + result.seconds * self.time_scale / self.speed, now)
+            await asyncio.sleep(end - now)
+            for seq in result.progressed:
+                event = self.waiters.get(seq)
+                if event is not None:
+                    event.set()
+
+    def _admit(self, plan: Plan) -> Seq:
+        seq = Seq(prompt=plan.prompt_tokens, max_out=max(1, sum(len(c) for c in plan.choices)),
+                  hashes=_hashes(plan))
+        self.waiters[seq] = asyncio.Event()
+        self.sched.add(seq)
+        self.kick.set()
+        return seq
+
+    def _retire(self, seq: Seq) -> None:
+        self.sched.abort(seq)  # no-op once finished
+        self.waiters.pop(seq, None)
+
+    async def _until(self, seq: Seq, tokens: int) -> None:
+        event = self.waiters[seq]
+        while seq.out < tokens:
+            event.clear()
+            await event.wait()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -62,7 +111,21 @@ class Engine:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/sim/speed", self.set_speed)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
         return app
+
+    async def set_speed(self, request: web.Request) -> web.Response:
+        """The simulator's drift knob: ``{"speed": 0.5}`` halves the engine's speed."""
+        try:
+            speed = float(orjson.loads(await request.read())["speed"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            return _error(SimRequestError('body must be {"speed": <number>}', "speed"))
+        if not 0 < speed < 1000:
+            return _error(SimRequestError("speed must be in (0, 1000)", "speed"))
+        self.speed = speed
+        return web.Response(body=orjson.dumps({"speed": speed}), content_type="application/json")
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
@@ -84,22 +147,24 @@ class Engine:
         """vLLM's exposition: HELP and TYPE lines, ``engine`` and ``model_name`` labels,
         float values."""
         labels = f'{{engine="0",model_name="{self.opts.model}"}}'
-        usage = self.running / max(1, self.timing.max_num_seqs)
+        sched = self.sched
         rows = (
             ("num_requests_running", "gauge", "Number of requests in model execution batches.",
-             self.running),
+             len(sched.running)),
             ("num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
-             self.waiting),
-            ("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", usage),
+             len(sched.waiting)),
+            ("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+             sched.kv_usage),
             ("prefix_cache_queries_total", "counter",
-             "Prefix cache queries, in terms of number of queried tokens.",
-             self.prompt_tokens_total),
+             "Prefix cache queries, in terms of number of queried tokens.", sched.queries),
             ("prefix_cache_hits_total", "counter",
-             "Prefix cache hits, in terms of number of cached tokens.", 0),
+             "Prefix cache hits, in terms of number of cached tokens.", sched.hits),
+            ("num_preemptions_total", "counter", "Cumulative number of preemption from the "
+             "engine.", sched.preemptions),
             ("prompt_tokens_total", "counter", "Number of prefill tokens processed.",
-             self.prompt_tokens_total),
+             sched.prompt_tokens),
             ("generation_tokens_total", "counter", "Number of generation tokens processed.",
-             self.generation_tokens_total),
+             sched.generation_tokens),
         )
         text = "".join(f"# HELP vllm:{name} {doc}\n# TYPE vllm:{name} {kind}\n"
                        f"vllm:{name}{labels} {float(value)!r}\n"
@@ -130,73 +195,55 @@ class Engine:
         if plan.stream_error is not None and not plan.stream:
             return _error(plan.stream_error)
         self.requests_total += 1
-        self.waiting += 1
+        if plan.stream:
+            return await self._stream(request, plan)
+        seq = self._admit(plan)
         try:
-            await self.slots.acquire()
+            await self._until(seq, seq.max_out)
         finally:
-            self.waiting -= 1
-        self.running += 1
-        self.prompt_tokens_total += plan.prompt_tokens
-        try:
-            if plan.stream:
-                return await self._stream(request, plan)
-            await self._prefill(plan)
-            tokens = sum(len(c) for c in plan.choices)
-            delay = self.tpot_s() * max(0, tokens // max(1, plan.n) - 1)
-            if delay:
-                await asyncio.sleep(delay)
-            self.generation_tokens_total += tokens
-            return web.Response(body=orjson.dumps(full_response(plan)),
-                                content_type="application/json")
-        finally:
-            self.running -= 1
-            self.slots.release()
-
-    async def _prefill(self, plan) -> None:
-        delay = 0.0
-        if self.timing.prefill_tps:
-            now = asyncio.get_running_loop().time()
-            start = max(now, self.prefill_free_at)
-            self.prefill_free_at = start + plan.prompt_tokens / self.timing.prefill_tps
-            delay = self.prefill_free_at - now
+            self._retire(seq)
         if plan.fault == "slow-start":
-            delay += self.timing.slow_start_ms / 1000.0
-        if delay:
-            await asyncio.sleep(delay)
+            await asyncio.sleep(self.slow_start_ms / 1000)
+        return web.Response(body=orjson.dumps(full_response(plan)),
+                            content_type="application/json")
 
-    async def _stream(self, request: web.Request, plan) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, plan: Plan) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream; charset=utf-8",
                                            "cache-control": "no-cache"})
         await resp.prepare(request)
-        paced = self.timing.tpot_ms > 0
+        seq = self._admit(plan) if plan.stream_error is None else None
         pending: list[bytes] = []
-        for kind, data in stream_events(plan):
-            if kind == "first":
-                # vLLM emits the role chunk with the first token, after prefill.
-                await self._prefill(plan)
-            elif kind in ("token", "skip") and paced:
-                if pending:
-                    await resp.write(b"".join(pending))
-                    pending.clear()
-                await asyncio.sleep(self.tpot_s())
-            if kind == "stall":
-                if pending:
-                    await resp.write(b"".join(pending))
-                    pending.clear()
-                await asyncio.sleep(3600)  # until the peer gives up and the task is cancelled
-            if kind == "abort":
-                if pending:
-                    await resp.write(b"".join(pending))
-                if request.transport is not None:
-                    request.transport.abort()
-                return resp
-            if kind in ("first", "token", "skip"):
-                self.generation_tokens_total += 1
-            if data:
-                pending.append(data)
-        if pending:
-            await resp.write(b"".join(pending))
-        await resp.write_eof()
+        produced = 0  # generated tokens this response has shown
+        try:
+            for kind, data in stream_events(plan):
+                if kind in ("first", "token", "skip") and seq is not None:
+                    produced += 1
+                    if seq.out < produced:
+                        if pending:
+                            await resp.write(b"".join(pending))
+                            pending.clear()
+                        await self._until(seq, produced)
+                    if kind == "first" and plan.fault == "slow-start":
+                        await asyncio.sleep(self.slow_start_ms / 1000)
+                if kind == "stall":
+                    if pending:
+                        await resp.write(b"".join(pending))
+                        pending.clear()
+                    await asyncio.sleep(3600)  # until the peer gives up and the task is cancelled
+                if kind == "abort":
+                    if pending:
+                        await resp.write(b"".join(pending))
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return resp
+                if data:
+                    pending.append(data)
+            if pending:
+                await resp.write(b"".join(pending))
+            await resp.write_eof()
+        finally:
+            if seq is not None:
+                self._retire(seq)
         return resp
 
 
@@ -205,10 +252,12 @@ def _error(exc: SimRequestError) -> web.Response:
                         content_type="application/json")
 
 
-def run(host: str, port: int, opts: SimOptions, timing: Timing) -> None:
+def run(host: str, port: int, opts: SimOptions, sched: BatchScheduler,
+        slow_start_ms: float = 1500.0, time_scale: float = 1.0) -> None:
     from ..server.loop import install_uvloop
 
     install_uvloop()
-    engine = Engine(opts, timing)
+    engine = Engine(opts, sched, slow_start_ms, time_scale)
+    # A client that leaves cancels its handler, which aborts its sequence (as vLLM does).
     web.run_app(engine.app(), host=host, port=port, access_log=None, print=None,
-                handle_signals=True)
+                handle_signals=True, handler_cancellation=True)
