@@ -6,7 +6,6 @@ import orjson
 import pytest
 
 from narwhal.config import parse
-from narwhal.core.engines import PerfModel
 from narwhal.core.exchange import Body, Exchange, Headers, Immediate
 from narwhal.core.router import Router
 from narwhal.core.scheduler import Dispatch, Queued, Refuse, Ticket
@@ -106,8 +105,9 @@ def test_prompt_alone_over_budget():
 
 
 def test_projected_over_budget_rounds_the_overrun():
-    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 100})
-    router.engines[1].model.prefill_tps = 100  # slow: 10 s for 1000 tokens, never chosen
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 100}, engines=[
+        {"name": "fast", "url": "http://127.0.0.1:1", "prefill_tps": 4000},
+        {"name": "slow", "url": "http://127.0.0.1:2", "prefill_tps": 100}])  # never chosen
     for _ in range(8):  # 8 x 1000 tokens, 0.25 s each on fast
         d = router.scheduler.admit(ticket(router, 1000, budget_s=60), clock.t)
         assert d.engine.name == "fast"
@@ -216,17 +216,6 @@ def test_client_deadline_cannot_exceed_the_configured_one():
     router, clock, timers = make_router(admission={"request_timeout_ms": 1000})
     ex, _ = start(router, 10, {"x-request-timeout-ms": "999999"})
     assert ex.deadline == pytest.approx(clock.t + 1.0)
-
-
-def test_model_corrects_rate_and_backlog():
-    m = PerfModel(prefill_tps=1000, tpot_ms=20, overhead_ms=0)
-    predicted = m.dispatch(0.0, 1000)
-    assert predicted == pytest.approx(1.0)
-    m.first_token(2.0, predicted, 2.0, 1000, still_prefilling=False)  # engine is 2x slower
-    assert m.prefill_tps < 1000 and m.busy_until == 2.0
-    for _ in range(20):
-        m.first_token(0.0, 0.0, 2.0, 1000, still_prefilling=False)
-    assert m.prefill_tps == pytest.approx(500, rel=0.01)
 
 
 def test_sizer_learns_the_engine_ratio():

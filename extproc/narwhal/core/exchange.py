@@ -443,7 +443,7 @@ class Exchange:
             self.router.scheduler.first_token(t, now)
             self.router.pump()
         elif self.engine is not None and self.last_token_at:
-            self.engine.model.token_interval((now - self.last_token_at) * 1000 / n)
+            self.engine.model.observe_interval(self.engine.decode, (now - self.last_token_at) / n)
         self.last_token_at = now
 
     def _computed_usage(self) -> dict[str, int]:

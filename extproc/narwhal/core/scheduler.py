@@ -20,7 +20,7 @@ from .errors import HttpError
 ERROR_WINDOW = 2048  # prediction errors kept for /status
 CALIBRATION_WINDOW = 256  # measured/predicted ratios behind the admission margin
 CALIBRATION_QUANTILE = 0.95
-CALIBRATION_MAX = 2.0
+CALIBRATION_MAX = 4.0
 
 
 @dataclass(slots=True)
@@ -35,7 +35,9 @@ class Ticket:
     queued_at: float | None = None
     engine: EngineState | None = None
     dispatched_at: float = 0.0
-    predicted_first: float = 0.0  # engine-level prediction (monotonic time)
+    work: float = 0.0  # uncached prompt tokens on its engine
+    work_ahead: float = 0.0  # the model's features at dispatch: work ahead + own,
+    decodes_at_dispatch: int = 0  # and the decodes sharing the engine's steps
     predicted_ttft_s: float | None = None  # client-level projection at admission
     first_token_at: float | None = None
     done: bool = False
@@ -116,16 +118,21 @@ class Scheduler:
         return bool(live) and all(e.maintenance for e in live)
 
     # -- admission -----------------------------------------------------------------
+    def _projected(self, e: EngineState, tokens: int, extra: float = 0.0) -> float:
+        return e.model.ttft_s(e.prefill_work + e.model.uncached(tokens) + extra, e.decode)
+
     def admit(self, t: Ticket, now: float) -> Decision:
         engines = self.serviceable(now, t.candidates)
         if not engines:
             return Refuse(errors.backend_unavailable())
-        total_tps = sum(e.model.prefill_tps for e in engines)
-        projected = min(e.model.projected_ttft_s(
-            now, t.tokens, self.queued_tokens * e.model.prefill_tps / total_tps) for e in engines)
+        # Queued work (if any) goes to the engines in proportion to their speed.
+        rates = [min(1e9, e.model.learned_prefill_tps) for e in engines]
+        total = sum(rates)
+        projected = min(self._projected(e, t.tokens, self.queued_tokens * r / total)
+                        for e, r in zip(engines, rates, strict=True))
         t.predicted_ttft_s = projected
         if self.config.admission.mode == "predictive":
-            alone = min(e.model.prefill_s(t.tokens) + e.model.overhead_ms / 1000 for e in engines)
+            alone = min(e.model.ttft_s(e.model.uncached(t.tokens), 0) for e in engines)
             if alone > t.budget_s:
                 return Refuse(errors.prompt_too_long(alone, t.budget_s))
             if projected * self.calibration > t.budget_s:
@@ -151,7 +158,7 @@ class Scheduler:
                 continue
             if candidates is not None and e.endpoint not in candidates:
                 continue
-            key = (e.model.projected_ttft_s(now, t.tokens), e.decode)
+            key = (self._projected(e, t.tokens), e.decode)
             if best_key is None or key < best_key:
                 best, best_key = e, key
         if best is not None:
@@ -159,7 +166,10 @@ class Scheduler:
             best.dispatched += 1
             t.engine = best
             t.dispatched_at = now
-            t.predicted_first = best.model.dispatch(now, t.tokens)
+            t.work = best.model.uncached(t.tokens)
+            best.prefill_work += t.work
+            t.work_ahead = best.prefill_work
+            t.decodes_at_dispatch = best.decode
         return best
 
     def pump(self, now: float) -> list[Ticket]:
@@ -192,13 +202,8 @@ class Scheduler:
         t.first_token_at = now
         e.prefill -= 1
         e.decode += 1
-        # FIFO prefill: this request's own service began when the engine finished the
-        # previous first token, or at dispatch if the engine was idle then.
-        serialized = e.last_first_token > t.dispatched_at
-        service = now - max(t.dispatched_at, e.last_first_token)
-        e.last_first_token = now
-        e.model.first_token(now, t.predicted_first, service, t.tokens, e.prefill > 0,
-                            serialized)
+        e.prefill_work = max(0.0, e.prefill_work - t.work)
+        e.model.observe_ttft(t.work_ahead, t.decodes_at_dispatch, now - t.dispatched_at)
         if t.predicted_ttft_s is not None:
             measured = now - t.arrival
             if measured > 0:
@@ -221,6 +226,7 @@ class Scheduler:
             return
         if t.first_token_at is None:
             e.prefill -= 1
+            e.prefill_work = max(0.0, e.prefill_work - t.work)
         else:
             e.decode -= 1
         if e.retired and e.in_flight == 0:

@@ -118,8 +118,10 @@ def admin_app(router: Router, token: str | None = None) -> web.Application:
                          "in_flight": e.in_flight, "prefill": e.prefill, "decode": e.decode,
                          "running": e.running, "waiting": e.waiting,
                          "kv_cache_usage": e.kv_cache_usage,
-                         "prefill_tps": round(e.model.prefill_tps, 1),
-                         "tpot_ms": round(e.model.tpot_ms, 3),
+                         "prefill_tps": _finite(round(e.model.learned_prefill_tps, 1)),
+                         "tpot_ms": round(e.model.tpot_s(e.decode) * 1000, 3),
+                         "prefix_hit_rate": round(e.model.hit_rate, 4),
+                         "model_samples": e.model.samples,
                          "dispatched": e.dispatched, "completed": e.completed,
                          "output_tokens": e.output_tokens,
                          "measurement_failures": e.measurement_failures,
@@ -170,3 +172,7 @@ def admin_app(router: Router, token: str | None = None) -> web.Application:
     app.router.add_post("/admin/fence", fence)
     app.router.add_delete("/admin/fence", fence)
     return app
+
+
+def _finite(x: float) -> float | None:
+    return x if x != float("inf") else None

@@ -19,12 +19,14 @@ from ..core.router import Router
 
 log = logging.getLogger("narwhal.telemetry")
 GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-          "vllm:kv_cache_usage_perc": "kv_cache_usage"}
+          "vllm:kv_cache_usage_perc": "kv_cache_usage",
+          "vllm:prefix_cache_queries_total": "prefix_queries",
+          "vllm:prefix_cache_hits_total": "prefix_hits"}
 MAX_METRICS_BYTES = 4 * 1024 * 1024
 
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
-    """Sum the gauges Narwhal reads across label sets; ignore everything else."""
+    """Sum the series Narwhal reads across label sets; ignore everything else."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:"):
@@ -53,8 +55,13 @@ async def scrape_engine(router: Router, engine: EngineState,
             async with session.get(base + "/metrics", timeout=timeout) as resp:
                 if resp.status == 200:
                     text = (await resp.content.read(MAX_METRICS_BYTES)).decode("utf-8", "replace")
-                    for attr, value in parse_vllm_metrics(text).items():
-                        setattr(engine, attr, value)
+                    values = parse_vllm_metrics(text)
+                    for attr in ("running", "waiting", "kv_cache_usage"):
+                        if attr in values:
+                            setattr(engine, attr, values[attr])
+                    if "prefix_queries" in values and "prefix_hits" in values:
+                        engine.model.observe_cache(values["prefix_queries"],
+                                                   values["prefix_hits"])
                     fresh = True
                 else:
                     fresh = resp.status == 404

@@ -1,0 +1,92 @@
+"""The engine performance model learns a continuous-batching engine from outside.
+
+The "engine" here is a formula the model does not share: chunked prefill in steps of
+a token budget, decodes taking budget and adding attention cost, a fixed step cost.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from narwhal.core.perf import PerfModel, Rls
+
+
+def step_engine(work: float, decodes: int, speed: float = 1.0) -> float:
+    """Seconds to first token on a 2048-token-budget engine (an L4-like step cost):
+    full steps of prefill chunks beside the decodes, then the last, partial one."""
+    share = 2048 - decodes
+    full = math.ceil(work / share) - 1
+    last = work - full * share
+    context_ms = 0.437 * decodes * 1.2  # each decode attends ~1200 tokens
+    step = 64 + 0.265 * 2048 + context_ms
+    return (full * step + 64 + 0.265 * (last + decodes) + context_ms) / 1000 / speed
+
+
+def feed(m: PerfModel, rng: random.Random, n: int, speed: float = 1.0) -> list[float]:
+    errors = []
+    for _ in range(n):
+        work, decodes = rng.uniform(50, 12000), rng.randrange(0, 60)
+        actual = step_engine(work, decodes, speed)
+        errors.append(abs(m.ttft_s(work, decodes) - actual) / actual)
+        m.observe_ttft(work, decodes, actual)
+    return errors
+
+
+def test_default_seeds_learn_a_step_engine_to_within_15_percent():
+    m = PerfModel(prefill_tps=10000, tpot_ms=20, overhead_ms=5)  # defaults: 30x optimistic
+    rng = random.Random(1)
+    first = feed(m, rng, 5)
+    assert max(first) > 0.5  # the seed was far off
+    later = sorted(feed(m, rng, 400)[100:])
+    assert later[int(0.9 * len(later))] < 0.15
+    assert 2500 < m.learned_prefill_tps < 4500  # ~3.4 k tokens/s in full steps
+
+
+def test_a_slowed_engine_is_detected_and_relearned_within_25_samples():
+    m = PerfModel(prefill_tps=10000, tpot_ms=20, overhead_ms=5)
+    rng = random.Random(2)
+    feed(m, rng, 300)
+    resets = m.drift_resets
+    errors = feed(m, rng, 100, speed=0.5)  # the engine halves its speed
+    assert errors[0] > 0.4
+    assert m.drift_resets == resets + 1
+    tail = sorted(errors[25:])
+    assert tail[int(0.9 * len(tail))] < 0.15
+
+
+def test_decode_load_raises_the_projection():
+    m = PerfModel(prefill_tps=10000, tpot_ms=20, overhead_ms=5)
+    feed(m, random.Random(3), 400)
+    assert m.ttft_s(8000, 60) > m.ttft_s(8000, 0) * 1.02
+
+
+def test_tpot_learns_the_batch_slope():
+    m = PerfModel(prefill_tps=10000, tpot_ms=20, overhead_ms=5)
+    rng = random.Random(4)
+    for _ in range(500):
+        d = rng.randrange(1, 100)
+        m.observe_interval(d, 0.010 + 0.0004 * d)
+    assert m.tpot_s(1) == pytest.approx(0.0104, rel=0.05)
+    assert m.tpot_s(80) == pytest.approx(0.042, rel=0.05)
+
+
+def test_prefix_cache_counters_discount_prompts():
+    m = PerfModel(prefill_tps=10000, tpot_ms=20, overhead_ms=5)
+    m.observe_cache(1000, 0)
+    for i in range(1, 40):
+        m.observe_cache(1000 + 1000 * i, 600 * i)  # 60% of queried tokens hit
+    assert m.hit_rate == pytest.approx(0.6, abs=0.01)
+    assert m.uncached(1000) == pytest.approx(400, abs=10)
+    m.observe_cache(10, 0)  # the engine restarted: counters went back, nothing learned
+    assert m.hit_rate == pytest.approx(0.6, abs=0.01)
+
+
+def test_rls_covariance_does_not_wind_up():
+    r = Rls([0.0, 0.0], [1.0, 1.0], 0.9)
+    for _ in range(1000):
+        r.update([1.0, 0.0], 1.0)  # the second feature never excited
+    assert sum(r.p[i][i] for i in range(2)) <= 2.0 + 1e-9
+    assert r.theta[0] == pytest.approx(1.0)
