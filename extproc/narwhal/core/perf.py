@@ -39,7 +39,6 @@ class Rls:
     __slots__ = ("theta", "p", "forget", "cap")
 
     def __init__(self, theta: list[float], variance: list[float], forget: float) -> None:
-        n = len(theta)
         self.theta = list(theta)
         self.forget = forget
         self.cap = list(variance)
