@@ -1,88 +1,171 @@
-"""Scheduling benchmark: a pool of simulated engines of different speeds under open-loop
-Poisson load, Narwhal predictive vs Narwhal open vs plain Envoy round robin.
+"""Scheduling benchmark on simulator v2: a heterogeneous pool of continuous-batching
+engines under open-loop Poisson load, Narwhal against the routers users pick today.
 
     python -m bench.scheduling [--duration S] [--loads 0.5,1,1.5,2] [--budget-ms MS]
+        [--time-scale F] [--policies ...] [--drift] [--plot FILE.png]
 
-Per policy and load it prints goodput (completions per second whose TTFT was within
-the budget), TTFT p50/p99 of admitted requests, the refusal rate, and how far
-Narwhal's predicted TTFT (response header x-narwhal-predicted-ttft-ms) was from the
-TTFT the client measured (p50/p90 of |predicted - measured| / measured).
+Engines: `narwhal sim --profile h100-llama3-8b | a100-llama3-8b | l4-llama3-8b`, all run
+``--time-scale`` times slower than the profile so that a 2-core machine can drive them;
+times are reported divided by it (real-GPU-equivalent) and the TTFT budget is scaled up
+by it. Workload: streaming chat; four shared system prompts (300-1500 tokens) on 80% of
+conversations; user turns lognormal (median 120 tokens); 35% of requests continue an
+earlier conversation with its history; outputs stop by themselves (lognormal, median 48,
+scaled by the conversation's application) under ``max_tokens`` 1024.
+
+Policies: Narwhal predictive (model seeds at their defaults), Narwhal open, Envoy round
+robin, and `vllm-router` (PyPI) `power_of_two` and `cache_aware`. Per policy and load:
+goodput (completed requests per second within the TTFT budget), % of admitted within
+budget, TTFT and TPOT p50/p99, refusal rate, Narwhal's TTFT prediction error p50/p90 and
+MAPE (header x-narwhal-predicted-ttft-ms against the client's measurement) and its output
+length error (x-narwhal-predicted-output-tokens). ``--drift`` adds a run in which the
+fastest engine halves its speed a third of the way in: time until Narwhal's /status shows
+it detected, and how many of that engine's admitted requests missed the budget meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
+import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import httpx
 import orjson
 
-from narwhal.launch import REPO_ROOT, SimSpec, Stack, plain_envoy
+from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, plain_envoy, wait_http
+from narwhal.sim.batching import PROFILES
 
 MODEL = "narwhal-sim"
-SPEEDS = (4000.0, 2000.0, 1000.0)  # prefill tokens/s of the three engines
-TPOT_MS = 10.0
-OUTPUT_TOKENS = 16
-PROMPT_MIN, PROMPT_MAX = 200, 1400  # tokens, uniform: mean 800
+ENGINES = (("h100", "h100-llama3-8b"), ("a100", "a100-llama3-8b"), ("l4", "l4-llama3-8b"))
+NATURAL_OUTPUT = 48
+MAX_TOKENS = 1024
+WORDS = ("narwhal tusk ocean arctic ice whale pod swim deep cold water light wave router "
+         "engine token prefill decode budget queue admit place stream chunk").split()
+POLICIES = ("predictive", "open", "round-robin", "vllm-router-p2", "vllm-router-cache")
+
+
+def text(rng: random.Random, tokens: int) -> str:
+    """About ``tokens`` tokens for the simulator (4 bytes a token)."""
+    out: list[str] = []
+    size = 0
+    while size < tokens * 4:
+        w = rng.choice(WORDS)
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)
+
+
+SYSTEMS = [text(random.Random(100 + i), n) for i, n in enumerate((300, 600, 1000, 1500))]
+
+
+@dataclass
+class Workload:
+    """Conversations: new ones, and follow-ups that carry their history."""
+
+    rng: random.Random
+    open: list[list[dict]] = field(default_factory=list)
+
+    def next(self) -> list[dict]:
+        if self.open and self.rng.random() < 0.35:
+            history = self.open.pop(self.rng.randrange(len(self.open)))
+        else:
+            history = ([{"role": "system", "content": self.rng.choice(SYSTEMS)}]
+                       if self.rng.random() < 0.8 else [])
+        user = min(2000, max(8, round(self.rng.lognormvariate(math.log(120), 0.8))))
+        return [*history, {"role": "user", "content": text(self.rng, user)}]
+
+    def answered(self, messages: list[dict], reply: str) -> None:
+        if len(messages) < 12 and len(self.open) < 200:
+            self.open.append([*messages, {"role": "assistant", "content": reply}])
 
 
 @dataclass
 class Result:
     status: int
-    ttft_s: float | None
-    predicted_s: float | None
+    start: float
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    predicted_s: float | None = None
+    tokens: int = 0
+    predicted_tokens: int | None = None
+    engine: str = ""
 
 
-def capacity_rps() -> float:
-    """Prefill-bound pool capacity in requests/s for the workload's mean prompt."""
-    return sum(SPEEDS) / ((PROMPT_MIN + PROMPT_MAX) / 2)
-
-
-async def one(session: aiohttp.ClientSession, url: str, tokens: int, seed: int) -> Result:
-    body = {"model": MODEL, "stream": True, "max_tokens": OUTPUT_TOKENS, "seed": seed,
-            "messages": [{"role": "user", "content": "abcd" * tokens}]}
+async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: int) -> Result:
+    messages = work.next()
+    body = {"model": MODEL, "stream": True, "max_tokens": MAX_TOKENS, "seed": seed,
+            "messages": messages}
     start = time.monotonic()
+    result = Result(0, start)
     try:
         async with session.post(url, data=orjson.dumps(body),
                                 headers={"content-type": "application/json"}) as resp:
+            result.status = resp.status
             predicted = resp.headers.get("x-narwhal-predicted-ttft-ms")
-            predicted_s = int(predicted) / 1000 if predicted else None
+            result.predicted_s = int(predicted) / 1000 if predicted else None
+            tokens = resp.headers.get("x-narwhal-predicted-output-tokens")
+            result.predicted_tokens = int(tokens) if tokens else None
+            result.engine = resp.headers.get("x-sim-engine", "")
             if resp.status != 200:
                 await resp.read()
-                return Result(resp.status, None, predicted_s)
-            ttft = None
+                return result
+            first = last = None
+            reply: list[str] = []
             async for line in resp.content:
-                if ttft is None and line.startswith(b"data: {") and b'"content":" ' in line:
-                    ttft = time.monotonic() - start
-            return Result(200, ttft, predicted_s)
+                if not line.startswith(b"data: {"):
+                    continue
+                event = orjson.loads(line[6:])
+                for choice in event.get("choices") or ():
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece:
+                        last = time.monotonic()
+                        first = first or last
+                        result.tokens += 1
+                        reply.append(piece)
+            if first is not None:
+                result.ttft_s = first - start
+                if result.tokens > 1:
+                    result.tpot_s = (last - first) / (result.tokens - 1)
+            work.answered(messages, "".join(reply))
     except (TimeoutError, aiohttp.ClientError):
-        return Result(0, None, None)
+        pass
+    return result
 
 
-async def drive(url: str, rate: float, duration: float, seed: int) -> list[Result]:
+async def drive(url: str, rate: float, duration: float, seed: int,
+                at: tuple[float, object] | None = None) -> list[Result]:
+    """Poisson arrivals at ``rate`` for ``duration`` s; ``at`` = (second, coroutine fn)
+    runs an action (the drift) part-way."""
     rng = random.Random(seed)
-    timeout = aiohttp.ClientTimeout(total=120)
+    work = Workload(random.Random(seed + 1))
+    timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         tasks = []
-        t = time.monotonic()
+        t0 = t = time.monotonic()
         end = t + duration
         i = 0
+        fired = at is None
         while True:
             t += rng.expovariate(rate)
             if t >= end:
                 break
             await asyncio.sleep(max(0.0, t - time.monotonic()))
-            tasks.append(asyncio.ensure_future(
-                one(session, url, rng.randint(PROMPT_MIN, PROMPT_MAX), seed * 100000 + i)))
+            if not fired and t - t0 >= at[0]:
+                fired = True
+                tasks.append(asyncio.ensure_future(at[1]()))
+            tasks.append(asyncio.ensure_future(one(session, url, work, seed * 100000 + i)))
             i += 1
-        return list(await asyncio.gather(*tasks))
+        done = await asyncio.gather(*tasks)
+        return [r for r in done if isinstance(r, Result)]
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -90,80 +173,240 @@ def quantile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def summarize(results: list[Result], duration: float, budget_s: float) -> dict:
+def summarize(results: list[Result], duration: float, budget_s: float, scale: float) -> dict:
     ok = [r for r in results if r.status == 200 and r.ttft_s is not None]
     good = [r for r in ok if r.ttft_s <= budget_s]
     errs = [abs(r.predicted_s - r.ttft_s) / r.ttft_s for r in ok if r.predicted_s is not None]
+    out_errs = [abs(r.predicted_tokens - r.tokens) / max(1, r.tokens) for r in ok
+                if r.predicted_tokens is not None]
+    tpots = [r.tpot_s / scale for r in ok if r.tpot_s is not None]
     return {
         "offered": len(results),
         "goodput": len(good) / duration,
         "in_budget": len(good) / len(ok) if ok else float("nan"),
-        "p50": quantile([r.ttft_s for r in ok], 0.5),
-        "p99": quantile([r.ttft_s for r in ok], 0.99),
+        "ttft50": quantile([r.ttft_s / scale for r in ok], 0.5),
+        "ttft99": quantile([r.ttft_s / scale for r in ok], 0.99),
+        "tpot50": quantile(tpots, 0.5),
+        "tpot99": quantile(tpots, 0.99),
         "refused": sum(1 for r in results if r.status in (429, 503)) / max(1, len(results)),
         "other": sum(1 for r in results if r.status not in (200, 429, 503)),
         "err50": quantile(errs, 0.5) if errs else None,
         "err90": quantile(errs, 0.9) if errs else None,
+        "mape": sum(errs) / len(errs) if errs else None,
+        "out_mape": sum(out_errs) / len(out_errs) if out_errs else None,
     }
 
 
-def narwhal_stack(sims: list[SimSpec], mode: str, budget_ms: int) -> Stack:
-    engines = [{"name": s.name, "url": f"http://127.0.0.1:{s.port}", "dialect": "vllm",
-                "prefill_tps": speed} for s, speed in zip(sims, SPEEDS, strict=True)]
+def capacity_rps(scale: float) -> float:
+    """Requests/s the pool serves with every step full: each engine's tokens/s in full
+    2048-token steps (context ~1500 tokens a sequence) over the mean tokens a request
+    schedules (uncached prompt + output; ~45% of prompt tokens hit the prefix cache)."""
+    tps = 0.0
+    for _, profile in ENGINES:
+        p = PROFILES[profile]
+        step_ms = p.cost.base_ms + p.cost.per_token_ms * 2048 + p.cost.per_ktok_ctx_ms * 1500
+        tps += 2048 / (step_ms * scale / 1000)
+    prompt = 0.8 * 850 + 130 + 0.35 * 400  # system + user + history, mean
+    return tps / (prompt * 0.55 + NATURAL_OUTPUT * 1.25)
+
+
+def sims(scale: float) -> list[SimSpec]:
+    return [SimSpec(name, args=["--profile", profile, "--time-scale", str(scale),
+                                "--natural-output", str(NATURAL_OUTPUT), "--engine-name", name,
+                                "--max-model-len", "16384"])
+            for name, profile in ENGINES]
+
+
+def narwhal_stack(pool: Stack, mode: str, budget_ms: int) -> Stack:
+    engines = [{"name": s.name, "url": f"http://127.0.0.1:{s.port}", "dialect": "vllm"}
+               for s in pool.sims]
     config = {"admission": {"mode": mode, "ttft_target_ms": budget_ms, "queue_limit": 1024,
-                            "retention_limit": 4096, "max_wait_ms": 60000},
-              "scheduler": {"max_prefill_per_engine": 64, "max_decode_per_engine": 64},
+                            "retention_limit": 4096, "max_wait_ms": 600_000,
+                            "max_ttft_target_ms": 600_000},
+              "scheduler": {"max_prefill_per_engine": 256, "max_decode_per_engine": 256},
               "engines": engines}
-    stack = Stack(sims=[], config=config, model=MODEL)
-    return stack.start()
+    return Stack(sims=[], config=config, model=MODEL).start()
+
+
+def vllm_router(pool: Stack, policy: str, workdir: Path) -> tuple[subprocess.Popen, int]:
+    exe = Path(sys.executable).with_name("vllm-router")
+    port = free_port()
+    log = open(workdir / f"vllm-router-{policy}.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([str(exe), "--host", "127.0.0.1", "--port", str(port),
+                             "--policy", policy, "--worker-urls",
+                             *[f"http://127.0.0.1:{s.port}" for s in pool.sims],
+                             "--prometheus-port", str(free_port()), "--log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_http(f"http://127.0.0.1:{port}/health", 60, proc)
+    return proc, port
+
+
+def idle(pool: Stack) -> None:
+    """Wait until every engine has nothing running or waiting (observable state)."""
+    for s in pool.sims:
+        while True:
+            text_ = httpx.get(f"http://127.0.0.1:{s.port}/metrics", timeout=10).text
+            busy = sum(float(line.rsplit(" ", 1)[1]) for line in text_.splitlines()
+                       if line.startswith(("vllm:num_requests_running{",
+                                           "vllm:num_requests_waiting{")))
+            if not busy:
+                break
+            time.sleep(0.2)
+
+
+def run_policy(policy: str, loads: list[float], args: argparse.Namespace,
+               workdir: Path) -> list[tuple[str, float, float, dict]]:
+    """A fresh pool (cold prefix caches) per policy; the loads in order."""
+    pool = Stack(sims=sims(args.time_scale), model=MODEL).start_sims()
+    budget_s = args.budget_ms * args.time_scale / 1000
+    rows = []
+    try:
+        if policy in ("predictive", "open"):
+            stack = narwhal_stack(pool, policy, round(budget_s * 1000))
+            url, stop = f"{stack.url}/v1/chat/completions", stack.stop
+        elif policy == "round-robin":
+            envoy, port = plain_envoy(REPO_ROOT / "bench" / "envoy-roundrobin.yaml", workdir,
+                                      [s.port for s in pool.sims])
+            url, stop = f"http://127.0.0.1:{port}/v1/chat/completions", envoy.terminate
+        else:
+            proc, port = vllm_router(pool, {"vllm-router-p2": "power_of_two",
+                                            "vllm-router-cache": "cache_aware"}[policy], workdir)
+            url, stop = f"http://127.0.0.1:{port}/v1/chat/completions", proc.terminate
+        try:
+            for load in loads:
+                rate = load * capacity_rps(args.time_scale)
+                results = asyncio.run(drive(url, rate, args.duration, args.seed))
+                rows.append((policy, load, rate,
+                             summarize(results, args.duration, budget_s, args.time_scale)))
+                print(f"  {policy} {load:g}x done", file=sys.stderr, flush=True)
+                idle(pool)
+        finally:
+            stop()
+    finally:
+        pool.stop()
+    return rows
+
+
+def run_drift(args: argparse.Namespace, load: float) -> dict:
+    """Narwhal predictive; the fastest engine halves its speed at duration / 3."""
+    pool = Stack(sims=sims(args.time_scale), model=MODEL).start_sims()
+    budget_s = args.budget_ms * args.time_scale / 1000
+    stack = narwhal_stack(pool, "predictive", round(budget_s * 1000))
+    name, port = pool.sims[0].name, pool.sims[0].port
+    marks: dict[str, float] = {}
+
+    async def slow_down() -> None:
+        async with aiohttp.ClientSession() as s:
+            resets = await _resets(s, stack, name)
+            await s.post(f"http://127.0.0.1:{port}/sim/speed", json={"speed": 0.5})
+            marks["drift"] = time.monotonic()
+            while time.monotonic() - marks["drift"] < args.duration:
+                if await _resets(s, stack, name) > resets:
+                    marks["detected"] = time.monotonic()
+                    return
+                await asyncio.sleep(0.05)
+
+    try:
+        results = asyncio.run(drive(f"{stack.url}/v1/chat/completions",
+                                    load * capacity_rps(args.time_scale), args.duration,
+                                    args.seed, at=(args.duration / 3, slow_down)))
+    finally:
+        stack.stop()
+        pool.stop()
+    t0 = marks.get("drift")
+    t1 = marks.get("detected")
+    window = [r for r in results if r.engine == name and t0 is not None
+              and r.start >= t0 - budget_s and (t1 is None or r.start <= t1)
+              and r.status == 200 and r.ttft_s is not None]
+    late = [r for r in window if r.ttft_s > budget_s]
+    return {"detect_s": (t1 - t0) / args.time_scale if t0 and t1 else None,
+            "admitted": len(window), "late": len(late),
+            "summary": summarize(results, args.duration, budget_s, args.time_scale)}
+
+
+async def _resets(session: aiohttp.ClientSession, stack: Stack, name: str) -> int:
+    async with session.get(f"{stack.admin_url}/status") as resp:
+        status = await resp.json()
+    return next(e["drift_resets"] for e in status["engines"] if e["name"] == name)
+
+
+def plot(rows: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for policy in dict.fromkeys(r[0] for r in rows):
+        mine = [r for r in rows if r[0] == policy]
+        a.plot([r[1] for r in mine], [r[3]["goodput"] for r in mine], marker="o", label=policy)
+        b.plot([r[1] for r in mine], [100 * r[3]["in_budget"] for r in mine], marker="o",
+               label=policy)
+    a.set(xlabel="load (x pool capacity)", ylabel="goodput (req/s within TTFT budget)")
+    b.set(xlabel="load (x pool capacity)", ylabel="% of admitted within budget", ylim=(0, 101))
+    a.legend()
+    a.grid(alpha=0.3)
+    b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _fmt(x: float | None, pct: bool = False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.1%}" if pct else f"{x * 1000:.0f}ms"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds of load per cell")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load per cell")
     parser.add_argument("--loads", default="0.5,1,1.5,2", help="multiples of pool capacity")
-    parser.add_argument("--budget-ms", type=int, default=1000, help="TTFT budget")
+    parser.add_argument("--budget-ms", type=int, default=1000,
+                        help="TTFT budget, real-GPU-equivalent")
+    parser.add_argument("--time-scale", type=float, default=4.0,
+                        help="how much slower than the GPU profiles the engines run")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--drift", action="store_true", help="add the drift scenario")
+    parser.add_argument("--plot", default="bench-scheduling.png", help="PNG to write ('' none)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
-    budget_s = args.budget_ms / 1000
+    policies = [p for p in args.policies.split(",") if p]
+    for p in policies:
+        if p not in POLICIES:
+            parser.error(f"unknown policy {p!r}; one of {', '.join(POLICIES)}")
     workdir = Path(tempfile.mkdtemp(prefix="narwhal-sched-"))
-    sims = [SimSpec(f"e{i}", args=["--prefill-tps", str(speed), "--tpot-ms", str(TPOT_MS),
-                                   "--max-num-seqs", "1024"])
-            for i, speed in enumerate(SPEEDS)]
-    pool = Stack(sims=sims, model=MODEL).start_sims()
+    os.environ.setdefault("NARWHAL_LOOP", "uvloop")
     rows = []
-    try:
-        for policy in ("predictive", "open", "round-robin"):
-            if policy == "round-robin":
-                envoy, port = plain_envoy(REPO_ROOT / "bench" / "envoy-roundrobin.yaml",
-                                          workdir, [s.port for s in sims])
-                url, stop = f"http://127.0.0.1:{port}/v1/chat/completions", envoy.terminate
-            else:
-                stack = narwhal_stack(sims, policy, args.budget_ms)
-                url, stop = f"{stack.url}/v1/chat/completions", stack.stop
-            try:
-                for load in loads:
-                    rate = load * capacity_rps()
-                    results = asyncio.run(drive(url, rate, args.duration, args.seed))
-                    rows.append((policy, load, rate, summarize(results, args.duration, budget_s)))
-                    time.sleep(3)  # let the pool drain between cells (not a measurement)
-            finally:
-                stop()
-    finally:
-        pool.stop()
-    print(f"Narwhal scheduling benchmark: engines prefill {'/'.join(f'{s:g}' for s in SPEEDS)} "
-          f"tok/s, TPOT {TPOT_MS:g} ms, prompts {PROMPT_MIN}-{PROMPT_MAX} tokens, "
-          f"{OUTPUT_TOKENS} output tokens, TTFT budget {args.budget_ms} ms, "
-          f"capacity {capacity_rps():.2f} req/s")
-    print(f"reproduce: python -m bench.scheduling --duration {args.duration:g} "
-          f"--loads {args.loads} --budget-ms {args.budget_ms} --seed {args.seed}")
-    print(f"{'policy':12} {'load':>5} {'req/s':>6} {'goodput':>8} {'in-budget':>9} "
-          f"{'TTFT p50':>9} {'TTFT p99':>9} {'refused':>8} {'pred err p50/p90':>17}")
+    for policy in policies:
+        rows += run_policy(policy, loads, args, workdir)
+    drift = run_drift(args, 1.0) if args.drift else None
+    print(f"Narwhal scheduling benchmark: engines {', '.join(p for _, p in ENGINES)} at "
+          f"time scale {args.time_scale:g}; TTFT budget {args.budget_ms} ms; capacity "
+          f"{capacity_rps(args.time_scale):.2f} req/s (times below are GPU-equivalent)")
+    print(f"reproduce: python -m bench.scheduling --duration {args.duration:g} --loads "
+          f"{args.loads} --budget-ms {args.budget_ms} --time-scale {args.time_scale:g} "
+          f"--policies {args.policies} --seed {args.seed}{' --drift' if args.drift else ''}")
+    print(f"{'policy':18} {'load':>4} {'req/s':>6} {'goodput':>7} {'in-budget':>9} "
+          f"{'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'p99':>6} {'refused':>7} "
+          f"{'pred p50/p90/MAPE':>19} {'out MAPE':>8}")
     for policy, load, rate, s in rows:
-        err = (f"{s['err50']:.1%}/{s['err90']:.1%}" if s["err50"] is not None else "-")
-        print(f"{policy:12} {load:5.1f} {rate:6.2f} {s['goodput']:8.2f} {s['in_budget']:9.1%} "
-              f"{s['p50'] * 1000:7.0f}ms {s['p99'] * 1000:7.0f}ms {s['refused']:8.1%} {err:>17}")
+        err = (f"{_fmt(s['err50'], True)}/{_fmt(s['err90'], True)}/{_fmt(s['mape'], True)}"
+               if s["err50"] is not None else "-")
+        print(f"{policy:18} {load:4.1f} {rate:6.2f} {s['goodput']:7.2f} {s['in_budget']:9.1%} "
+              f"{_fmt(s['ttft50']):>8} {_fmt(s['ttft99']):>7} {_fmt(s['tpot50']):>8} "
+              f"{_fmt(s['tpot99']):>6} {s['refused']:7.1%} {err:>19} "
+              f"{_fmt(s['out_mape'], True):>8}")
+    if drift is not None:
+        d = drift["detect_s"]
+        print(f"drift (h100 halves its speed at {args.duration / 3:.0f} s, load 1.0): detected "
+              f"after {'-' if d is None else f'{d:.1f} s'} (GPU-equivalent); "
+              f"{drift['late']}/{drift['admitted']} of its admitted requests out of budget "
+              f"meanwhile; run goodput {drift['summary']['goodput']:.2f} req/s, in budget "
+              f"{drift['summary']['in_budget']:.1%}")
+    if args.plot:
+        plot(rows, Path(args.plot))
+        print(f"plot: {args.plot}")
     return 0
 
 

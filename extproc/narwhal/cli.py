@@ -81,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="KV-cache blocks of 16 tokens (65536)")
     p_sim.add_argument("--no-enable-prefix-caching", action="store_true",
                        help="turn automatic prefix caching off (vLLM's flag)")
+    p_sim.add_argument("--natural-output", type=int, default=0,
+                       help="median natural output length (the model stops by itself; "
+                            "0: every request runs to max_tokens)")
+    p_sim.add_argument("--engine-name", default="",
+                       help="sent back in response header x-sim-engine (benchmarks)")
     p_sim.add_argument("--time-scale", type=float, default=1.0,
                        help="multiply every step's duration (run a GPU profile slower on "
                             "a small machine)")
@@ -118,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
 
             run_sim(args.host, args.port,
                     SimOptions(model=args.model, dialect=args.dialect, reasoning=args.reasoning,
-                               max_model_len=args.max_model_len),
+                               max_model_len=args.max_model_len,
+                               natural_output=args.natural_output,
+                               engine_name=args.engine_name),
                     _batch_scheduler(args), args.slow_start_ms, args.time_scale)
         elif args.command == "envoy-config":
             from .launch import ENVOY_CONFIG

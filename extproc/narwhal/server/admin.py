@@ -122,6 +122,8 @@ def admin_app(router: Router, token: str | None = None) -> web.Application:
                          "tpot_ms": round(e.model.tpot_s(e.decode) * 1000, 3),
                          "prefix_hit_rate": round(e.model.hit_rate, 4),
                          "model_samples": e.model.samples,
+                         "drift": round(e.model.drift, 4),
+                         "drift_resets": e.model.drift_resets,
                          "dispatched": e.dispatched, "completed": e.completed,
                          "output_tokens": e.output_tokens,
                          "measurement_failures": e.measurement_failures,

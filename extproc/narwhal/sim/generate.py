@@ -20,6 +20,7 @@ opened are an error event followed by ``[DONE]``.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import time
 import zlib
@@ -80,6 +81,12 @@ class SimOptions:
     dialect: str = "vllm"
     reasoning: str = "none"
     max_model_len: int = 32768
+    # Median of a natural output length (a model that stops by itself), 0: run to
+    # max_tokens. Each conversation's first message scales it (0.5x to 2x), as an
+    # application's system prompt shapes its answers.
+    natural_output: int = 0
+    # Sent back as response header x-sim-engine, so that a benchmark knows who served.
+    engine_name: str = ""
 
 
 @dataclass(slots=True)
@@ -123,6 +130,7 @@ class Plan:
     dialect: str
     reasoning: str
     stream_error: SimRequestError | None = None  # found after the stream opened
+    natural_median: float = 0.0  # see SimOptions.natural_output
     choices: list[list[Tok]] = field(default_factory=list)
     finish: list[str] = field(default_factory=list)
     stop_reasons: list[str | None] = field(default_factory=list)
@@ -270,6 +278,11 @@ def make_plan(body: dict[str, Any], opts: SimOptions, fault: str | None,
         dialect=opts.dialect,
         reasoning=opts.reasoning if chat else "none",
     )
+    if opts.natural_output:
+        first = (body.get("messages") or [{}])[0]
+        kind = zlib.crc32(orjson.dumps(first.get("content") if isinstance(first, dict)
+                                       else first)) % 4
+        plan.natural_median = opts.natural_output * (0.5, 1.0, 1.5, 2.0)[kind]
     if logprobs and top > MAX_LOGPROBS:
         # vLLM checks this in its engine, after a stream has opened.
         plan.stream_error = SimRequestError(
@@ -319,6 +332,13 @@ def _choice_tokens(plan: Plan, index: int, rng: random.Random
     """The choice's tokens and its (finish_reason, stop_reason)."""
     cap = plan.max_tokens
     natural = cap if cap is not None else rng.randint(8, 32)
+    if plan.natural_median:
+        pick = random.Random(plan.seed * 31 + index)
+        natural = max(1, round(pick.lognormvariate(math.log(plan.natural_median), 0.5)))
+        if cap is not None and natural >= cap:
+            natural = cap
+        else:
+            cap = None  # it stops by itself: finish_reason "stop"
     if plan.tool_names:
         toks = _tool_tokens(plan, natural if cap is not None else 0, rng)
         if cap is not None and len(toks) > cap:

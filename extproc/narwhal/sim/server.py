@@ -205,11 +205,14 @@ class Engine:
         if plan.fault == "slow-start":
             await asyncio.sleep(self.slow_start_ms / 1000)
         return web.Response(body=orjson.dumps(full_response(plan)),
-                            content_type="application/json")
+                            content_type="application/json", headers=self._own_headers())
+
+    def _own_headers(self) -> dict[str, str]:
+        return {"x-sim-engine": self.opts.engine_name} if self.opts.engine_name else {}
 
     async def _stream(self, request: web.Request, plan: Plan) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream; charset=utf-8",
-                                           "cache-control": "no-cache"})
+                                           "cache-control": "no-cache", **self._own_headers()})
         await resp.prepare(request)
         seq = self._admit(plan) if plan.stream_error is None else None
         pending: list[bytes] = []
