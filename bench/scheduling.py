@@ -41,7 +41,6 @@ import httpx
 import orjson
 
 from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, plain_envoy, wait_http
-from narwhal.sim.batching import PROFILES
 
 MODEL = "narwhal-sim"
 ENGINES = (("h100", "h100-llama3-8b"), ("a100", "a100-llama3-8b"), ("l4", "l4-llama3-8b"))
@@ -97,6 +96,7 @@ class Result:
     tokens: int = 0
     predicted_tokens: int | None = None
     engine: str = ""
+    end: float | None = None
 
 
 async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: int) -> Result:
@@ -130,6 +130,7 @@ async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: in
                         first = first or last
                         result.tokens += 1
                         reply.append(piece)
+            result.end = time.monotonic()
             if first is not None:
                 result.ttft_s = first - start
                 if result.tokens > 1:
@@ -197,17 +198,30 @@ def summarize(results: list[Result], duration: float, budget_s: float, scale: fl
     }
 
 
+# Requests/s the pool completes when saturated, GPU-equivalent (time scale 1), measured
+# with --calibrate (Narwhal open at 4x this, completions per second once queues build).
+CAPACITY_GPU_RPS = 180.0
+
+
 def capacity_rps(scale: float) -> float:
-    """Requests/s the pool serves with every step full: each engine's tokens/s in full
-    2048-token steps (context ~1500 tokens a sequence) over the mean tokens a request
-    schedules (uncached prompt + output; ~45% of prompt tokens hit the prefix cache)."""
-    tps = 0.0
-    for _, profile in ENGINES:
-        p = PROFILES[profile]
-        step_ms = p.cost.base_ms + p.cost.per_token_ms * 2048 + p.cost.per_ktok_ctx_ms * 1500
-        tps += 2048 / (step_ms * scale / 1000)
-    prompt = 0.8 * 850 + 130 + 0.35 * 400  # system + user + history, mean
-    return tps / (prompt * 0.55 + NATURAL_OUTPUT * 1.25)
+    return CAPACITY_GPU_RPS / scale
+
+
+def calibrate(args: argparse.Namespace) -> float:
+    """Saturate the pool through Narwhal (open) and count completions per second in the
+    last two thirds of the run, when every engine has a queue."""
+    pool = Stack(sims=sims(args.time_scale), model=MODEL).start_sims()
+    stack = narwhal_stack(pool, "open", 600_000)
+    try:
+        t0 = time.monotonic()
+        results = asyncio.run(drive(f"{stack.url}/v1/chat/completions",
+                                    4 * capacity_rps(args.time_scale), args.duration, args.seed))
+    finally:
+        stack.stop()
+        pool.stop()
+    lo, hi = t0 + args.duration / 3, t0 + args.duration
+    done = sum(1 for r in results if r.end is not None and lo <= r.end <= hi)
+    return done / (hi - lo) * args.time_scale
 
 
 def sims(scale: float) -> list[SimSpec]:
@@ -363,13 +377,19 @@ def main() -> int:
     parser.add_argument("--loads", default="0.5,1,1.5,2", help="multiples of pool capacity")
     parser.add_argument("--budget-ms", type=int, default=1000,
                         help="TTFT budget, real-GPU-equivalent")
-    parser.add_argument("--time-scale", type=float, default=4.0,
+    parser.add_argument("--time-scale", type=float, default=12.0,
                         help="how much slower than the GPU profiles the engines run")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--drift", action="store_true", help="add the drift scenario")
     parser.add_argument("--plot", default="bench-scheduling.png", help="PNG to write ('' none)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure the pool's saturated throughput and exit")
     args = parser.parse_args()
+    if args.calibrate:
+        print(f"saturated throughput: {calibrate(args):.1f} req/s GPU-equivalent "
+              f"(CAPACITY_GPU_RPS is {CAPACITY_GPU_RPS:g})")
+        return 0
     loads = [float(x) for x in args.loads.split(",")]
     policies = [p for p in args.policies.split(",") if p]
     for p in policies:

@@ -103,7 +103,8 @@ def test_waiting_and_running_tell_the_truth():
             with httpx.Client(timeout=60) as c, c.stream(
                     "POST", f"{base}/v1/chat/completions",
                     json=BODY | {"stream": True, "max_tokens": 2000}) as long:
-                next(long.iter_lines())  # it runs (for 100 s)
+                lines = long.iter_lines()  # held: a dropped iterator may close the stream
+                next(lines)  # it is in the engine (and runs for 100 s)
                 behind = pool.submit(httpx.post, f"{base}/v1/chat/completions", json=BODY,
                                      timeout=60)
                 polls = 0

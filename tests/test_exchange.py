@@ -20,7 +20,7 @@ def router() -> Router:
     r = Router(parse({"serving": {"max_request_bytes": 1000},
                       "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]}))
     for e in r.engines:
-        e.healthy = e.checked = True
+        e.healthy = e.checked = e.profiled = True
         e.telemetry_at = r.clock()
     r.started = True
     return r
@@ -325,7 +325,7 @@ def stall_router(clock) -> Router:
                       "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]}),
                clock=clock, timers=FakeTimers())
     for e in r.engines:
-        e.healthy = e.checked = True
+        e.healthy = e.checked = e.profiled = True
         e.telemetry_at = clock()
     r.started = True
     return r

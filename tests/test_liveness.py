@@ -35,7 +35,7 @@ def test_failing_rounds_are_survived(monkeypatch):
     router = Router(parse({"telemetry": {"health_interval_ms": 1}}))
     calls = []
 
-    async def flaky(r, session):
+    async def flaky(r, session, profiling=None):
         calls.append(len(calls))
         if len(calls) <= 3:
             raise RuntimeError("round failed")

@@ -243,7 +243,7 @@ def test_exchange_keeps_its_invariants(sequences):
                            "telemetry": {"close_verdict_ms": 0},
                            "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]}))
     for e in router.engines:
-        e.healthy = e.checked = True
+        e.healthy = e.checked = e.profiled = True
         e.telemetry_at = router.clock()
     router.started = True
     exchanges = []

@@ -54,7 +54,7 @@ def make_router(**sections) -> tuple[Router, Clock, ManualTimers]:
     router = Router(parse(cfg), clock=clock, timers=timers)
     router.started = True
     for e in router.engines:
-        e.healthy = e.checked = True
+        e.healthy = e.checked = e.profiled = True
         e.telemetry_at = clock.t
     return router, clock, timers
 
@@ -91,7 +91,7 @@ def test_ties_broken_by_decode_load():
     router, clock, _ = make_router(engines=[
         {"name": "a", "url": "http://127.0.0.1:1"}, {"name": "b", "url": "http://127.0.0.1:2"}])
     for e in router.engines:
-        e.healthy = e.checked = True
+        e.healthy = e.checked = e.profiled = True
         e.telemetry_at = clock.t
     router.engines[0].decode = 3
     assert router.scheduler.admit(ticket(router, 10), clock.t).engine.name == "b"
@@ -280,7 +280,7 @@ def test_discovery_reconcile_adds_retires_and_drains():
     added, retired = s.reconcile(engine_configs(d, {"10.0.0.1", "10.0.0.2"}))
     assert sorted(added) == ["vllm.svc/10.0.0.1", "vllm.svc/10.0.0.2"] and retired == []
     for e in router.engines:
-        e.healthy = e.checked = True
+        e.healthy = e.checked = e.profiled = True
         e.telemetry_at = clock.t
     t = ticket(router, 10)
     busy = s.admit(t, clock.t).engine

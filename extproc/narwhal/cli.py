@@ -9,6 +9,7 @@ import sys
 from .config import Config, ConfigError, load
 from .core.sizing import SizingError
 from .sim.batching import BLOCK_SIZE, PROFILES, BatchScheduler, Profile, StepCost
+from .sim.generate import FAULTS
 
 
 def _config(path: str | None) -> Config:
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                             "0: every request runs to max_tokens)")
     p_sim.add_argument("--engine-name", default="",
                        help="sent back in response header x-sim-engine (benchmarks)")
+    p_sim.add_argument("--fault", default=None, choices=sorted(FAULTS),
+                       help="an x-sim-fault for every request that names none (a broken engine)")
     p_sim.add_argument("--time-scale", type=float, default=1.0,
                        help="multiply every step's duration (run a GPU profile slower on "
                             "a small machine)")
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                     SimOptions(model=args.model, dialect=args.dialect, reasoning=args.reasoning,
                                max_model_len=args.max_model_len,
                                natural_output=args.natural_output,
-                               engine_name=args.engine_name),
+                               engine_name=args.engine_name, fault=args.fault),
                     _batch_scheduler(args), args.slow_start_ms, args.time_scale)
         elif args.command == "envoy-config":
             from .launch import ENVOY_CONFIG

@@ -107,6 +107,10 @@ class Telemetry:
     # /health answer marks it unhealthy at once; stale telemetry still applies.
     unhealthy_after_timeouts: int = 3
     stale_after_ms: int = 5000
+    # Measure an engine with three synthetic requests before it takes traffic (when it
+    # joins, comes back, or its model drifts); off: engines are eligible on health alone.
+    profiling: bool = True
+    profile_timeout_ms: int = 60_000
     # The bearer token admin mutations (/admin/*) require; with none set they are refused.
     # One of: the token itself, a file holding it (a mounted Secret), an environment variable.
     admin_token: str = ""
@@ -151,7 +155,7 @@ POSITIVE = {
     "scheduler.max_prefill_per_engine",
     "scheduler.max_decode_per_engine", "telemetry.health_interval_ms",
     "telemetry.health_timeout_ms", "telemetry.stale_after_ms",
-    "telemetry.unhealthy_after_timeouts", "engines.prefill_tps",
+    "telemetry.unhealthy_after_timeouts", "telemetry.profile_timeout_ms", "engines.prefill_tps",
     "engines.tpot_ms", "sizing.bytes_per_token", "engines.interval_ms",
 }
 PORTS = {"serving.extproc_port", "telemetry.admin_port", "engines.port"}

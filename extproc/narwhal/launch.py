@@ -168,6 +168,7 @@ class Stack(StackURLs):
     envoy_patch: Callable[[dict[str, Any]], None] | None = None
     workdir: Path | None = None
     procs: list[Proc] = field(default_factory=list)
+    wait_ready: bool = True  # False: start() waits for /live (a router that cannot serve)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
         assert self.workdir is not None
@@ -220,7 +221,8 @@ class Stack(StackURLs):
             cfg_path.write_text(yaml.safe_dump(self.config_dict()))
             narwhal = self._spawn("narwhal", [py, "-m", "narwhal", "serve", "--config",
                                               str(cfg_path)])
-            expect_ready = self.config.get("router", {}).get("role", "active") == "active"
+            expect_ready = (self.wait_ready and
+                            self.config.get("router", {}).get("role", "active") == "active")
             wait_http(f"{self.admin_url}/ready" if expect_ready else f"{self.admin_url}/live",
                       timeout, narwhal.popen)
             envoy_path = self.workdir / "envoy.yaml"

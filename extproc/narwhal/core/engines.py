@@ -33,6 +33,15 @@ class EngineState:
     measurement_failures: int = 0
     dispatched: int = 0
     endpoint: str = ""  # ``ip:port`` for Envoy, computed once
+    # Profiling (profiling.py): eligible only once measured.
+    profiled: bool = False
+    profiling: bool = False
+    profile_next_at: float = 0.0
+    profile_error: str | None = None
+    profile_attempts: int = 0  # failures in a row (backoff)
+    profile_failures: int = 0
+    profiles: int = 0  # profiles completed
+    profiled_at: float | None = None
 
     def __post_init__(self) -> None:
         self.endpoint = self.config.endpoint
@@ -61,8 +70,8 @@ class EngineState:
         return self.telemetry_at is not None and now - self.telemetry_at <= stale_after_s
 
     def serviceable(self, now: float, stale_after_s: float) -> bool:
-        """Could take work at all: healthy, telemetry fresh, not in maintenance."""
-        return (self.healthy and not self.maintenance and not self.retired
+        """Could take work at all: healthy, profiled, telemetry fresh, not in maintenance."""
+        return (self.healthy and self.profiled and not self.maintenance and not self.retired
                 and self.fresh(now, stale_after_s))
 
     def has_slot(self, max_prefill: int, max_decode: int) -> bool:

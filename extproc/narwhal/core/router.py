@@ -77,6 +77,8 @@ class Router:
             return "maintenance"
         if self.scheduler.all_stale(self.clock()):
             return "monitoring-degraded"
+        if self.scheduler.all_unprofiled(self.clock()):
+            return "profiling"
         return None
 
     def live(self) -> bool:

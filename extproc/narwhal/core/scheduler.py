@@ -16,6 +16,7 @@ from ..config import Config, EngineConfig
 from . import errors
 from .engines import EngineState
 from .errors import HttpError
+from .profiling import reprofile
 
 ERROR_WINDOW = 2048  # prediction errors kept for /status
 CALIBRATION_WINDOW = 256  # measured/predicted ratios behind the admission margin
@@ -78,6 +79,9 @@ class Scheduler:
         self.calibration = 1.0
         self._samples = 0
         self.stale_after_s = config.telemetry.stale_after_ms / 1000
+        self.profiling = config.telemetry.profiling
+        for e in self.engines:
+            e.profiled = not self.profiling
 
     # -- membership (discovery) ------------------------------------------------------
     def reconcile(self, wanted: dict[str, EngineConfig]) -> tuple[list[str], list[str]]:
@@ -89,7 +93,9 @@ class Scheduler:
         for endpoint, cfg in wanted.items():
             e = have.get(endpoint)
             if e is None:
-                self.engines.append(EngineState.from_config(cfg))
+                e = EngineState.from_config(cfg)
+                e.profiled = not self.profiling
+                self.engines.append(e)
                 added.append(cfg.name)
             elif e.retired:
                 e.retired = False  # came back before it drained
@@ -112,6 +118,12 @@ class Scheduler:
     def all_stale(self, now: float) -> bool:
         live = [e for e in self.engines if not e.retired]
         return bool(live) and not any(e.fresh(now, self.stale_after_s) for e in live)
+
+    def all_unprofiled(self, now: float) -> bool:
+        """Engines are up, and not one is profiled yet: nothing can take work."""
+        live = [e for e in self.engines if not e.retired and e.healthy
+                and e.fresh(now, self.stale_after_s)]
+        return bool(live) and not any(e.profiled for e in live)
 
     def all_in_maintenance(self) -> bool:
         live = [e for e in self.engines if not e.retired]
@@ -203,7 +215,10 @@ class Scheduler:
         e.prefill -= 1
         e.decode += 1
         e.prefill_work = max(0.0, e.prefill_work - t.work)
+        resets = e.model.drift_resets
         e.model.observe_ttft(t.work_ahead, t.decodes_at_dispatch, now - t.dispatched_at)
+        if e.model.drift_resets != resets and self.profiling:
+            reprofile(e)  # drifted: measured again before it takes new work
         if t.predicted_ttft_s is not None:
             measured = now - t.arrival
             if measured > 0:

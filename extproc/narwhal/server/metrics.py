@@ -37,12 +37,25 @@ class RouterCollector(Collector):
         failures = CounterMetricFamily("narwhal_engine_measurement_failures",
                                        "Decode attempts failed on token identity",
                                        labels=["engine"])
+        profiled = GaugeMetricFamily("narwhal_engine_profiled", "1 when the engine's profile "
+                                     "is current (it may take work)", labels=["engine"])
+        profile_failures = CounterMetricFamily("narwhal_engine_profile_failures",
+                                               "Profiling attempts that failed", labels=["engine"])
+        drift = GaugeMetricFamily("narwhal_engine_ttft_drift", "Recent mean signed relative "
+                                  "TTFT error (measured - predicted) / measured",
+                                  labels=["engine"])
+        resets = CounterMetricFamily("narwhal_engine_drift_resets", "Times the engine's model "
+                                     "was found drifted and re-learned", labels=["engine"])
         for eng in self.router.engines:
             inflight.add_metric([eng.name], eng.in_flight)
             healthy.add_metric([eng.name], 1 if eng.healthy else 0)
             tokens.add_metric([eng.name], eng.output_tokens)
             failures.add_metric([eng.name], eng.measurement_failures)
-        yield from (inflight, healthy, tokens, failures)
+            profiled.add_metric([eng.name], 1 if eng.profiled else 0)
+            profile_failures.add_metric([eng.name], eng.profile_failures)
+            drift.add_metric([eng.name], eng.model.drift)
+            resets.add_metric([eng.name], eng.model.drift_resets)
+        yield from (inflight, healthy, tokens, failures, profiled, profile_failures, drift, resets)
         yield GaugeMetricFamily("narwhal_admission_queue_length", "Requests waiting for a slot",
                                 value=len(self.router.scheduler.queue))
         yield GaugeMetricFamily("narwhal_requests_held", "Requests inside the retention limit",

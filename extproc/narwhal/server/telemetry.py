@@ -15,7 +15,9 @@ import logging
 import aiohttp
 
 from ..core.engines import EngineState
+from ..core.profiling import reprofile
 from ..core.router import Router
+from .profiling import Profiling
 
 log = logging.getLogger("narwhal.telemetry")
 GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
@@ -75,14 +77,19 @@ async def scrape_engine(router: Router, engine: EngineState,
         engine.health_timeouts = 0
     if ok != engine.healthy or not engine.checked:
         log.info("engine %s is %s", engine.name, "healthy" if ok else "unhealthy")
+        if ok and engine.checked and router.config.telemetry.profiling:
+            reprofile(engine)  # it came back: measure it again before it takes work
     engine.healthy = ok
     engine.checked = True
     if fresh:
         engine.telemetry_at = router.clock()
 
 
-async def check_once(router: Router, session: aiohttp.ClientSession) -> None:
+async def check_once(router: Router, session: aiohttp.ClientSession,
+                     profiling: Profiling | None = None) -> None:
     await asyncio.gather(*(scrape_engine(router, e, session) for e in list(router.engines)))
+    if profiling is not None:
+        profiling.start_due(session)
     router.started = True
     router.changed()
     router.pump()  # an engine that came back can take queued work
@@ -95,10 +102,11 @@ async def telemetry_loop(router: Router) -> None:
     the router instead of leaving it refusing everything as monitoring-degraded."""
     interval = router.config.telemetry.health_interval_ms / 1000
     router.heartbeat = router.clock()
+    profiling = Profiling(router) if router.config.telemetry.profiling else None
     async with aiohttp.ClientSession() as session:
         while True:
             try:
-                await check_once(router, session)
+                await check_once(router, session, profiling)
                 router.heartbeat = router.clock()
             except Exception:
                 log.exception("telemetry round failed")

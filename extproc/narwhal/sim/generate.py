@@ -87,6 +87,8 @@ class SimOptions:
     natural_output: int = 0
     # Sent back as response header x-sim-engine, so that a benchmark knows who served.
     engine_name: str = ""
+    # A fault for every request without an x-sim-fault header (a broken engine).
+    fault: str | None = None
 
 
 @dataclass(slots=True)

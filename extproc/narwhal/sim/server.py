@@ -173,7 +173,7 @@ class Engine:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
-        fault = request.headers.get("x-sim-fault")
+        fault = request.headers.get("x-sim-fault", self.opts.fault)
         output = request.headers.get("x-sim-output")
         try:
             if fault is not None and fault not in FAULTS:

@@ -1,0 +1,67 @@
+"""The profiling adapter: sends ``core.profiling``'s probes to an engine over HTTP and
+feeds the timestamped stream back. One task per engine being profiled; the telemetry
+loop starts them and never waits for them (its heartbeat must not depend on an engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from ..core.engines import EngineState
+from ..core.meter import EngineOutputError
+from ..core.profiling import ProbeRun, Profiler
+from ..core.router import Router
+
+log = logging.getLogger("narwhal.profiling")
+
+
+async def profile_engine(router: Router, engine: EngineState, profiler: Profiler,
+                         session: aiohttp.ClientSession) -> None:
+    clock = router.clock
+    url = engine.config.url.rstrip("/") + "/v1/chat/completions"
+    timeout = aiohttp.ClientTimeout(total=profiler.timeout_s)
+    try:
+        for probe in profiler.probes():
+            ahead, decodes = engine.prefill_work, engine.decode
+            run = ProbeRun(clock(), engine.token_ids, router.config.serving.max_event_bytes)
+            async with session.post(url, data=probe.body, timeout=timeout,
+                                    headers={"content-type": "application/json"}) as resp:
+                if resp.status != 200:
+                    raise EngineOutputError(f"profile request answered HTTP {resp.status}")
+                async for chunk in resp.content.iter_any():
+                    run.feed(clock(), chunk)
+            profiler.learn(engine, run.finish(probe.tokens), ahead, decodes)
+    except (EngineOutputError, TimeoutError, aiohttp.ClientError, OSError) as exc:
+        reason = str(exc) or type(exc).__name__
+        profiler.failed(engine, reason, clock())
+        log.warning("engine %s failed profiling: %s", engine.name, reason)
+    except Exception as exc:  # a bug here must not leave the engine 'profiling' forever
+        profiler.failed(engine, f"internal error: {exc!r}", clock())
+        log.exception("profiling engine %s", engine.name)
+    else:
+        profiler.succeeded(engine, clock())
+        log.info("engine %s profiled: %.0f prompt tokens/s, TPOT %.1f ms", engine.name,
+                 min(engine.model.learned_prefill_tps, 1e9), engine.model.tpot_s(1) * 1000)
+    router.changed()
+    router.pump()
+
+
+class Profiling:
+    """Starts due profiles; keeps the tasks referenced until they end."""
+
+    def __init__(self, router: Router) -> None:
+        cfg = router.config
+        self.router = router
+        self.profiler = Profiler(cfg.serving.model, router.sizer.bytes_per_token,
+                                 cfg.telemetry.profile_timeout_ms / 1000)
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def start_due(self, session: aiohttp.ClientSession) -> None:
+        self.profiler.bytes_per_token = self.router.sizer.bytes_per_token
+        for engine in self.profiler.due(self.router.engines, self.router.clock()):
+            task = asyncio.create_task(profile_engine(self.router, engine, self.profiler,
+                                                      session))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)

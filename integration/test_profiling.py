@@ -1,0 +1,106 @@
+"""Profiling and drift through a real Envoy: an engine takes traffic only once measured;
+one whose token IDs are bad never does; one that slows down is measured again."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from narwhal.launch import SimSpec, Stack
+
+from .conftest import MODEL, _stack
+
+MSGS = [{"role": "user", "content": "hello there"}]
+
+
+def status(stack: Stack) -> dict:
+    return httpx.get(f"{stack.admin_url}/status", timeout=5).json()
+
+
+def engine(stack: Stack, name: str) -> dict:
+    return next(e for e in status(stack)["engines"] if e["name"] == name)
+
+
+def wait_engine(stack: Stack, name: str, cond: Callable[[dict], bool],
+                timeout: float = 20.0) -> dict:
+    end = time.monotonic() + timeout
+    while True:
+        e = engine(stack, name)
+        if cond(e):
+            return e
+        assert time.monotonic() < end, f"condition not reached: {e}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    yield from _stack([SimSpec("good", args=["--tpot-ms", "1"]),
+                       SimSpec("broken", args=["--fault", "bool-token-id"])],
+                      {"telemetry": {"admin_token": "t"}})
+
+
+def test_an_engine_with_boolean_token_ids_never_becomes_eligible(mixed):
+    good = wait_engine(mixed, "good", lambda e: e["profiled"])
+    assert good["profiles"] == 1 and good["model_samples"] >= 3 and good["eligible"]
+    broken = wait_engine(mixed, "broken", lambda e: e["profile_failures"] >= 2)
+    assert not broken["profiled"] and not broken["eligible"]
+    assert "Boolean token ID" in broken["profile_error"]
+    with httpx.Client(base_url=mixed.url, timeout=30) as c:
+        for _ in range(6):
+            resp = c.post("/v1/chat/completions",
+                          json={"model": MODEL, "messages": MSGS, "max_tokens": 3})
+            assert resp.status_code == 200
+    assert engine(mixed, "broken")["dispatched"] == 0
+    assert engine(mixed, "good")["dispatched"] >= 6
+    metrics = httpx.get(f"{mixed.admin_url}/metrics", timeout=5).text
+    assert 'narwhal_engine_profiled{engine="broken"} 0.0' in metrics
+    assert 'narwhal_engine_profiled{engine="good"} 1.0' in metrics
+
+
+def test_a_router_with_only_unprofiled_engines_is_not_ready():
+    stack = Stack(sims=[SimSpec("only-broken", args=["--fault", "malformed-token-ids"])],
+                  model=MODEL, wait_ready=False)
+    stack.start()
+    try:
+        wait_engine(stack, "only-broken", lambda e: e["profile_failures"] >= 1)
+        ready = httpx.get(f"{stack.admin_url}/ready", timeout=5)
+        assert ready.status_code == 503 and ready.json()["reason"] == "profiling"
+        resp = httpx.post(f"{stack.url}/v1/chat/completions", timeout=30,
+                          json={"model": MODEL, "messages": MSGS, "max_tokens": 2})
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "profiling"
+    finally:
+        stack.stop()
+
+
+def test_a_slowed_engine_is_detected_and_profiled_again():
+    stack = Stack(sims=[SimSpec("drifty", args=["--tpot-ms", "20", "--prefill-tps", "4000"])],
+                  model=MODEL)
+    stack.start()
+    try:
+        first = wait_engine(stack, "drifty", lambda e: e["profiled"])
+        port = stack.sims[0].port
+        with httpx.Client(base_url=stack.url, timeout=60) as c:
+            def some(n: int) -> None:
+                for i in range(n):
+                    text = f"{i:04d} " + "abcd " * (100 + 40 * (i % 8))
+                    resp = c.post("/v1/chat/completions", json={
+                        "model": MODEL, "max_tokens": 2,
+                        "messages": [{"role": "user", "content": text}]})
+                    assert resp.status_code == 200
+
+            some(20)  # learned
+            assert engine(stack, "drifty")["drift_resets"] == first["drift_resets"]
+            assert httpx.post(f"http://127.0.0.1:{port}/sim/speed",
+                              json={"speed": 0.25}).status_code == 200
+            sent = 0
+            while engine(stack, "drifty")["drift_resets"] == first["drift_resets"]:
+                some(1)
+                sent += 1
+                assert sent < 10, "drift not detected"
+        again = wait_engine(stack, "drifty", lambda e: e["profiles"] == 2 and e["profiled"])
+        assert again["eligible"]
+    finally:
+        stack.stop()

@@ -1,0 +1,138 @@
+"""Profiling on a fake clock: probes, token-ID validation, backoff, re-profiling."""
+
+from __future__ import annotations
+
+import random
+
+import orjson
+import pytest
+
+from narwhal.config import parse
+from narwhal.core.meter import EngineOutputError
+from narwhal.core.profiling import BACKOFF_S, PROBE_PROMPTS, Profiler, ProbeRun
+from narwhal.core.router import Router
+from narwhal.core.scheduler import Ticket
+from narwhal.core.tokens import TokenIdError
+
+
+def event(ids: object, text: str = " x") -> bytes:
+    return b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {"content": text},
+                                                  "token_ids": ids}]}) + b"\n\n"
+
+
+ROLE = b"data: " + orjson.dumps({"prompt_token_ids": list(range(40)), "choices": [
+    {"index": 0, "delta": {"role": "assistant", "content": ""}}]}) + b"\n\n"
+
+
+def run_of(chunks: list[tuple[float, bytes]]) -> ProbeRun:
+    run = ProbeRun(10.0, token_ids=True, max_event_bytes=65536)
+    for at, chunk in chunks:
+        run.feed(at, chunk)
+    return run
+
+
+def test_a_probe_measures_ttft_intervals_and_the_engine_prompt_size():
+    run = run_of([(10.0, ROLE), (10.5, event([5])), (10.52, event([6, 7])),
+                  (10.56, event([8]) + b"data: [DONE]\n\n")])
+    m = run.finish(estimated_prompt=64)
+    assert m.ttft_s == pytest.approx(0.5)
+    assert m.intervals == pytest.approx([0.01, 0.04])
+    assert m.prompt_tokens == 40  # the engine's count, not the estimate
+
+
+@pytest.mark.parametrize("ids, error", [(None, "without token_ids"), ([True], "Boolean"),
+                                        ("7", "malformed"), ([-1], "invalid")])
+def test_a_probe_fails_on_bad_token_ids(ids, error):
+    with pytest.raises(TokenIdError, match=error):
+        run_of([(10.0, ROLE), (10.5, event(ids))])
+
+
+def test_a_probe_without_output_or_end_fails():
+    with pytest.raises(EngineOutputError):
+        run_of([(10.0, ROLE + b"data: [DONE]\n\n")]).finish(64)
+    with pytest.raises(EngineOutputError):
+        run_of([(10.0, ROLE), (10.5, event([5]))]).finish(64)  # no [DONE]
+
+
+def test_probes_are_sized_and_share_no_prefix():
+    p = Profiler("m", 4.0, 30, random.Random(1))
+    probes = p.probes()
+    assert [x.tokens for x in probes] == list(PROBE_PROMPTS)
+    bodies = [orjson.loads(x.body) for x in probes]
+    texts = [b["messages"][0]["content"] for b in bodies]
+    assert len({t[:16] for t in texts}) == 3
+    for tokens, t in zip(PROBE_PROMPTS, texts, strict=True):
+        assert tokens * 4 <= len(t) < tokens * 4 + 20
+    assert all(b["return_token_ids"] and b["stream"] for b in bodies)
+
+
+def _router() -> Router:
+    r = Router(parse({"engines": [{"name": "e", "url": "http://127.0.0.1:1"}]}),
+               clock=lambda: 100.0)
+    e = r.engines[0]
+    e.healthy = e.checked = True
+    e.telemetry_at = 100.0
+    r.started = True
+    return r
+
+
+def test_an_engine_is_eligible_only_once_profiled_and_failures_back_off():
+    r = _router()
+    e = r.engines[0]
+    p = Profiler("m", 4.0, 30)
+    assert not e.profiled and r.scheduler.serviceable(100.0) == []
+    assert r.not_ready_reason() == "profiling"
+    assert p.due(r.engines, 100.0) == [e] and p.due(r.engines, 100.0) == []  # running
+    p.failed(e, "engine event has a Boolean token ID", 100.0)
+    assert not e.profiled and e.profile_error.endswith("Boolean token ID")
+    assert p.due(r.engines, 100.0 + BACKOFF_S[0] - 0.01) == []
+    assert p.due(r.engines, 100.0 + BACKOFF_S[0]) == [e]
+    p.failed(e, "again", 101.0)
+    assert e.profile_next_at == 101.0 + BACKOFF_S[1]
+    assert p.due(r.engines, 200.0) == [e]
+    p.succeeded(e, 200.0)
+    assert e.profiled and e.profile_error is None and e.profile_attempts == 0
+    assert r.scheduler.serviceable(100.0) == [e] and r.not_ready_reason() is None
+
+
+def test_profile_measurements_feed_the_model():
+    r = _router()
+    e = r.engines[0]
+    p = Profiler("m", 4.0, 30)
+    before = e.model.ttft_s(1000, 0)
+    for tokens, seconds in ((64, 0.08), (512, 0.2), (1536, 0.5)):
+        run = run_of([(10.0, ROLE.replace(b"range", b"range")),
+                      (10.0 + seconds, event([1])), (10.0 + seconds + 0.02, event([2])),
+                      (10.0 + seconds + 0.04, event([3]) + b"data: [DONE]\n\n")])
+        m = run.finish(tokens)
+        m.prompt_tokens = tokens
+        p.learn(e, m, 0.0, 0)
+    assert e.model.samples == 3
+    assert e.model.ttft_s(1000, 0) > before * 2  # the default seeds were optimistic
+    assert e.model.tpot_s(1) == pytest.approx(0.02, rel=0.2)
+
+
+def test_a_drifted_engine_is_profiled_again_before_new_work():
+    r = _router()
+    e = r.engines[0]
+    e.profiled = True
+    clock = 100.0
+
+    def one(work: float, seconds: float) -> None:
+        t = Ticket(owner=None, tokens=int(work), arrival=clock, budget_s=60,
+                   deadline=clock + 60)
+        e.prefill += 1
+        t.engine, t.dispatched_at, t.work, t.work_ahead = e, clock, work, work
+        e.prefill_work += work
+        r.scheduler.first_token(t, clock + seconds)
+
+    for i in range(60):
+        work = 200.0 + 100 * (i % 10)
+        one(work, 0.05 + work / 2000)  # learned: 2000 tokens/s
+    assert e.profiled and e.model.drift_resets == 0
+    for i in range(10):
+        work = 200.0 + 100 * (i % 10)
+        one(work, 2 * (0.05 + work / 2000))  # the engine halves its speed
+        if not e.profiled:
+            break
+    assert not e.profiled and e.model.drift_resets == 1 and i < 5
