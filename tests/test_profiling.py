@@ -80,7 +80,7 @@ def test_an_engine_is_eligible_only_once_profiled_and_failures_back_off():
     r = _router()
     e = r.engines[0]
     p = Profiler("m", 4.0, 30)
-    assert not e.profiled and r.scheduler.serviceable(100.0) == []
+    assert not e.profiled and r.pool.serviceable(100.0) == []
     assert r.not_ready_reason() == "profiling"
     assert p.due(r.engines, 100.0) == [e] and p.due(r.engines, 100.0) == []  # running
     p.failed(e, "engine event has a Boolean token ID", 100.0)
@@ -92,7 +92,7 @@ def test_an_engine_is_eligible_only_once_profiled_and_failures_back_off():
     assert p.due(r.engines, 200.0) == [e]
     p.succeeded(e, 200.0)
     assert e.profiled and e.profile_error is None and e.profile_attempts == 0
-    assert r.scheduler.serviceable(100.0) == [e] and r.not_ready_reason() is None
+    assert r.pool.serviceable(100.0) == [e] and r.not_ready_reason() is None
 
 
 def test_profile_measurements_feed_the_model():
@@ -106,7 +106,7 @@ def test_profile_measurements_feed_the_model():
                       (10.0 + seconds + 0.04, event([3]) + b"data: [DONE]\n\n")])
         m = run.finish(tokens)
         m.prompt_tokens = tokens
-        p.learn(e, m, 0.0, 0)
+        r.learning.probe(e, m, 0.0, 0)
     assert e.model.samples == 3
     assert e.model.ttft_s(1000, 0) > before * 2  # the default seeds were optimistic
     assert e.model.tpot_s(1) == pytest.approx(0.02, rel=0.2)

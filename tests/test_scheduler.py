@@ -156,7 +156,7 @@ def test_no_serviceable_engine_is_503():
 def test_stale_telemetry_makes_engines_ineligible_and_router_degraded():
     router, clock, _ = make_router()
     router.engines[0].telemetry_at = clock.t - 60
-    assert [e.name for e in router.scheduler.serviceable(clock.t)] == ["slow"]
+    assert [e.name for e in router.pool.serviceable(clock.t)] == ["slow"]
     router.engines[1].telemetry_at = clock.t - 60
     assert router.not_ready_reason() == "monitoring-degraded"
 
@@ -276,8 +276,8 @@ def test_discovery_reconcile_adds_retires_and_drains():
 
     router, clock, _ = make_router(engines=[])
     d = Discovery("dns", "vllm.svc", port=8000)
-    s = router.scheduler
-    added, retired = s.reconcile(engine_configs(d, {"10.0.0.1", "10.0.0.2"}))
+    s, pool = router.scheduler, router.pool
+    added, retired = pool.reconcile(engine_configs(d, {"10.0.0.1", "10.0.0.2"}))
     assert sorted(added) == ["vllm.svc/10.0.0.1", "vllm.svc/10.0.0.2"] and retired == []
     for e in router.engines:
         e.healthy = e.checked = e.profiled = True
@@ -286,7 +286,7 @@ def test_discovery_reconcile_adds_retires_and_drains():
     busy = s.admit(t, clock.t).engine
     gone = "10.0.0.1" if busy.endpoint.startswith("10.0.0.2") else "10.0.0.2"
     keep = busy.endpoint.split(":")[0]
-    _, retired = s.reconcile(engine_configs(d, {gone, "fd00::5"}))
+    _, retired = pool.reconcile(engine_configs(d, {gone, "fd00::5"}))
     assert retired == [busy.name]
     assert busy in router.engines and not busy.serviceable(clock.t, 60)  # draining
     assert [e.endpoint for e in router.engines if e.name.endswith("fd00::5")] == ["[fd00::5]:8000"]

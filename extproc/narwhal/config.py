@@ -49,12 +49,18 @@ class Admission:
     request_timeout_ms: int = 600_000
     # The largest TTFT budget a client may ask for with x-slo-ttft-ms (larger ones clamp).
     max_ttft_target_ms: int = 60_000
+    # Time per output token budget for requests without x-slo-tpot-ms; 0: none.
+    tpot_target_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Scheduler:
     max_prefill_per_engine: int = 4
     max_decode_per_engine: int = 64
+    # The placement pipeline (core/placement.py): filters in order, weighted scorers, a picker.
+    filters: tuple[str, ...] = ("subset", "has-slot", "tpot-budget")
+    scorers: dict[str, float] = field(default_factory=lambda: {"ttft": 1.0})
+    picker: str = "max-score"
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +225,14 @@ def _check(hint: Any, value: Any, key: str) -> Any:
         if allowed and value not in allowed:
             raise ConfigError(f"{key}: must be one of {', '.join(allowed)}, got {value!r}")
         return value
+    if hint == tuple[str, ...]:
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(f"{key}: expected a list of names, got {value!r}")
+        return tuple(value)
+    if hint == dict[str, float]:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of name to weight, got {value!r}")
+        return {str(k): _check(float, v, f"{key}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, key)
     raise TypeError(f"unsupported config type {hint!r}")  # pragma: no cover
@@ -269,6 +283,13 @@ def parse(data: Any) -> Config:
     if adm.ttft_target_ms > adm.max_ttft_target_ms:
         raise ConfigError(f"admission.ttft_target_ms: {adm.ttft_target_ms} exceeds "
                           f"admission.max_ttft_target_ms ({adm.max_ttft_target_ms})")
+    sched = kwargs["scheduler"]
+    from .core.placement import check_profile  # the registry lives with the plugins
+
+    try:
+        check_profile(sched.filters, sched.scorers, sched.picker)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return Config(**kwargs)
 
 

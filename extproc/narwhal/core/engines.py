@@ -28,6 +28,8 @@ class EngineState:
     decode: int = 0
     # Uncached prompt tokens of the requests in prefill here: the work ahead of the next.
     prefill_work: float = 0.0
+    # Predicted output tokens of the requests placed here (output-length learning).
+    decode_backlog: int = 0
     completed: int = 0
     output_tokens: int = 0
     measurement_failures: int = 0

@@ -81,6 +81,13 @@ def prompt_too_long(alone_s: float, budget_s: float) -> HttpError:
         code="prompt_exceeds_ttft_budget")
 
 
+def tpot_over_budget(projected_s: float, budget_s: float) -> HttpError:
+    return HttpError(
+        429, f"No engine can meet the {budget_s * 1000:.0f} ms time per output token budget "
+        f"(best projection {projected_s * 1000:.1f} ms); retry later",
+        "rate_limit_error", REFUSED, code="tpot_budget_exceeded", retry_after=1)
+
+
 def projected_over_budget(projected_s: float, budget_s: float) -> HttpError:
     overrun = projected_s - budget_s
     return HttpError(

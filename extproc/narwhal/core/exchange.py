@@ -30,6 +30,8 @@ log = logging.getLogger("narwhal.exchange")
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
 SLO_HEADER = "x-slo-ttft-ms"
+TPOT_HEADER = "x-slo-tpot-ms"  # llm-d's name
+PREDICTED_OUTPUT_HEADER = "x-narwhal-predicted-output-tokens"
 TIMEOUT_HEADER = "x-request-timeout-ms"
 PREDICTED_HEADER = "x-narwhal-predicted-ttft-ms"
 # The Inference Extension conformance suite's test picker: a header naming the allowed
@@ -92,7 +94,7 @@ class Exchange:
     __slots__ = ("router", "phase", "completion", "path", "buf", "request", "engine", "meter",
                  "relay", "assembler", "parser", "status", "terminal", "sized", "upstream_error",
                  "request_ended", "request_bytes", "response_bytes", "held", "arrival",
-                 "deadline", "budget_s", "ticket", "timer", "sink", "client_headers_sent",
+                 "deadline", "budget_s", "tpot_budget_s", "ticket", "timer", "sink", "client_headers_sent",
                  "last_token_at", "strip", "engine_seen", "request_id", "candidates")
 
     def __init__(self, router: Router) -> None:
@@ -118,6 +120,7 @@ class Exchange:
         self.arrival = 0.0
         self.deadline = 0.0
         self.budget_s = 0.0
+        self.tpot_budget_s: float | None = None
         self.ticket: Ticket | None = None
         self.timer: TimerHandle | None = None
         # Where actions go that no ext_proc message prompted (queue dispatch, expiry).
@@ -174,11 +177,14 @@ class Exchange:
             budget_ms = _ms_header(headers, SLO_HEADER, adm.ttft_target_ms, adm.max_ttft_target_ms)
             timeout_ms = _ms_header(headers, TIMEOUT_HEADER, adm.request_timeout_ms,
                                     adm.request_timeout_ms)
+            tpot_ms = (_ms_header(headers, TPOT_HEADER, adm.tpot_target_ms, 60_000)
+                       if TPOT_HEADER in headers or adm.tpot_target_ms else 0)
         except HttpError as exc:
             return self._refuse(exc)
         now = self.router.clock()
         self.arrival = now
         self.budget_s = budget_ms / 1000
+        self.tpot_budget_s = tpot_ms / 1000 if tpot_ms else None
         self.deadline = now + timeout_ms / 1000
         self._arm(self.deadline)
         self.phase = Phase.REQUEST_BODY
@@ -197,10 +203,9 @@ class Exchange:
         return allowed
 
     def _passthrough_headers(self, end_of_stream: bool) -> list[Action]:
-        serviceable = self.router.scheduler.serviceable(self.router.clock(), self.candidates)
-        if not serviceable:
+        engine = self.router.scheduler.place_passthrough(self.router.clock(), self.candidates)
+        if engine is None:
             return [Immediate(errors.backend_unavailable())]
-        engine = min(serviceable, key=lambda e: e.in_flight)
         self.phase = Phase.UPSTREAM
         self.request_ended = end_of_stream
         return [Headers(False, destination=engine.endpoint,
@@ -233,7 +238,8 @@ class Exchange:
         now = self.router.clock()
         tokens = self.router.sizer.estimate(req.prompt_bytes, req.prompt_text)
         self.ticket = Ticket(self, tokens, self.arrival, self.budget_s, self.deadline,
-                             candidates=self.candidates)
+                             candidates=self.candidates, tpot_budget_s=self.tpot_budget_s)
+        self.router.scheduler.predict_output(self.ticket, req.chat, req.body, req.max_tokens)
         decision = self.router.scheduler.admit(self.ticket, now)
         if isinstance(decision, Refuse):
             return self._refuse(decision.error)
@@ -322,6 +328,7 @@ class Exchange:
         t = self.ticket
         if t is not None and t.predicted_ttft_s is not None:
             out.append((PREDICTED_HEADER, str(round(t.predicted_ttft_s * 1000))))
+            out.append((PREDICTED_OUTPUT_HEADER, str(t.predicted_output)))
         if self.router.config.router.conformance_hooks and self.engine is not None:
             out.append((CONFORMANCE_SERVED, self.engine.endpoint))
         return out
@@ -443,7 +450,7 @@ class Exchange:
             self.router.scheduler.first_token(t, now)
             self.router.pump()
         elif self.engine is not None and self.last_token_at:
-            self.engine.model.observe_interval(self.engine.decode, (now - self.last_token_at) / n)
+            self.router.learning.interval(self.engine, (now - self.last_token_at) / n)
         self.last_token_at = now
 
     def _computed_usage(self) -> dict[str, int]:
@@ -521,15 +528,17 @@ class Exchange:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        identified: int | None = None
         if self.engine is not None and self.meter is not None:
             self.engine.output_tokens += self.meter.output_tokens
             if terminal == errors.COMPLETED:
+                identified = self.meter.output_tokens
                 self.engine.completed += 1
                 usage = self.meter.usage
                 if usage is not None and self.request is not None:
                     router.sizer.learn(self.request.prompt_bytes, usage.get("prompt_tokens"))
         if self.ticket is not None:
-            router.scheduler.release(self.ticket)
+            router.scheduler.release(self.ticket, identified)
             router.pump()
 
     def _settle_passthrough(self) -> None:

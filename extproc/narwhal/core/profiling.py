@@ -113,11 +113,13 @@ class Profiler:
                 out.append(e)
         return out
 
-    def probes(self) -> list[Probe]:
+    def probes(self, max_model_len: int | None = None) -> list[Probe]:
         """Prompts that share no prefix with anything (a fresh nonce first), so the
-        engine's prefix cache cannot make them look fast."""
+        engine's prefix cache cannot make them look fast; at most a third of the engine's
+        context (``max_model_len`` from its /v1/models), as sizing is an estimate."""
         out = []
-        for tokens in PROBE_PROMPTS:
+        for size in PROBE_PROMPTS:
+            tokens = min(size, max_model_len // 3) if max_model_len else size
             nonce = f"{self.rng.getrandbits(64):016x}"
             words: list[str] = [nonce]
             size = len(nonce)
@@ -132,12 +134,6 @@ class Profiler:
                     "messages": [{"role": "user", "content": " ".join(words)}]}
             out.append(Probe(tokens, orjson.dumps(body)))
         return out
-
-    def learn(self, e: EngineState, m: Measurement, work_ahead: float, decodes: int) -> None:
-        """One probe's measurement into the engine's model: the live traffic's sink."""
-        e.model.observe_ttft(work_ahead + m.prompt_tokens, decodes, m.ttft_s)
-        for seconds in m.intervals:
-            e.model.observe_interval(decodes + 1, seconds)
 
     def succeeded(self, e: EngineState, now: float) -> None:
         e.profiling = False

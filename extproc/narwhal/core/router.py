@@ -10,6 +10,8 @@ from ..config import Config
 from .accounting import Accounting
 from .closes import CloseVerdicts
 from .engines import EngineState
+from .learning import Learning
+from .pool import Pool
 from .scheduler import Scheduler, Ticket
 from .sizing import Sizer
 
@@ -40,7 +42,9 @@ class Router:
         self.config = config
         self.clock = clock
         self.timers: Timers = timers or NoTimers()
-        self.scheduler = Scheduler(config)
+        self.pool = Pool(config)
+        self.learning = Learning(config.telemetry.profiling)
+        self.scheduler = Scheduler(config, self.pool, self.learning)
         self.sizer = Sizer(config.sizing.bytes_per_token, config.sizing.tokenizer)
         self.accounting = Accounting()
         self.held = 0  # requests inside the HTTP retention limit
@@ -53,7 +57,7 @@ class Router:
 
     @property
     def engines(self) -> list[EngineState]:
-        return self.scheduler.engines
+        return self.pool.engines
 
     def engine(self, name: str) -> EngineState | None:
         return next((e for e in self.engines if e.name == name), None)
@@ -73,11 +77,11 @@ class Router:
             return "fenced"
         if not self.started:
             return "starting"
-        if self.scheduler.all_in_maintenance():
+        if self.pool.all_in_maintenance():
             return "maintenance"
-        if self.scheduler.all_stale(self.clock()):
+        if self.pool.all_stale(self.clock()):
             return "monitoring-degraded"
-        if self.scheduler.all_unprofiled(self.clock()):
+        if self.pool.all_unprofiled(self.clock()):
             return "profiling"
         return None
 

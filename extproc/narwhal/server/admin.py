@@ -96,7 +96,7 @@ def admin_app(router: Router, token: str | None = None) -> web.Application:
     async def status(request: web.Request) -> web.Response:
         acct = router.accounting
         now = router.clock()
-        stale = router.scheduler.stale_after_s
+        stale = router.pool.stale_after_s
         return _json({
             "version": __version__,
             "model": router.config.serving.model,
@@ -109,8 +109,9 @@ def admin_app(router: Router, token: str | None = None) -> web.Application:
                          "queued": len(router.scheduler.queue), "terminal": acct.terminal},
             "sizing": {"bytes_per_token": round(router.sizer.bytes_per_token, 3),
                        "samples": router.sizer.samples},
-            "prediction_error": router.scheduler.error_quantiles(),
-            "admission_calibration": round(router.scheduler.calibration, 4),
+            "prediction_error": router.learning.error_quantiles(),
+            "output_length_error": router.learning.outputs.error_summary(),
+            "admission_calibration": round(router.learning.calibration, 4),
             "engines": [{"name": e.name, "url": e.config.url, "endpoint": e.endpoint,
                          "dialect": e.config.dialect, "healthy": e.healthy,
                          "telemetry_fresh": e.fresh(now, stale), "maintenance": e.maintenance,

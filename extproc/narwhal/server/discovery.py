@@ -39,7 +39,7 @@ async def discover_once(router: Router, d: Discovery) -> None:
         log.warning("cannot resolve %s: %s; keeping %d engine(s)", d.name, exc,
                     len(router.engines))
         return
-    added, retired = router.scheduler.reconcile(engine_configs(d, addresses))
+    added, retired = router.pool.reconcile(engine_configs(d, addresses))
     if added or retired:
         log.info("discovery %s: added %s, retired %s", d.name, added, retired)
         router.changed()

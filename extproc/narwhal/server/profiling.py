@@ -23,7 +23,7 @@ async def profile_engine(router: Router, engine: EngineState, profiler: Profiler
     url = engine.config.url.rstrip("/") + "/v1/chat/completions"
     timeout = aiohttp.ClientTimeout(total=profiler.timeout_s)
     try:
-        for probe in profiler.probes():
+        for probe in profiler.probes(await _max_model_len(engine, session, timeout)):
             ahead, decodes = engine.prefill_work, engine.decode
             run = ProbeRun(clock(), engine.token_ids, router.config.serving.max_event_bytes)
             async with session.post(url, data=probe.body, timeout=timeout,
@@ -32,7 +32,7 @@ async def profile_engine(router: Router, engine: EngineState, profiler: Profiler
                     raise EngineOutputError(f"profile request answered HTTP {resp.status}")
                 async for chunk in resp.content.iter_any():
                     run.feed(clock(), chunk)
-            profiler.learn(engine, run.finish(probe.tokens), ahead, decodes)
+            router.learning.probe(engine, run.finish(probe.tokens), ahead, decodes)
     except (EngineOutputError, TimeoutError, aiohttp.ClientError, OSError) as exc:
         reason = str(exc) or type(exc).__name__
         profiler.failed(engine, reason, clock())
@@ -46,6 +46,21 @@ async def profile_engine(router: Router, engine: EngineState, profiler: Profiler
                  min(engine.model.learned_prefill_tps, 1e9), engine.model.tpot_s(1) * 1000)
     router.changed()
     router.pump()
+
+
+async def _max_model_len(engine: EngineState, session: aiohttp.ClientSession,
+                         timeout: aiohttp.ClientTimeout) -> int | None:
+    """vLLM's model card says how long a prompt may be; other engines may not say."""
+    url = engine.config.url.rstrip("/") + "/v1/models"
+    try:
+        async with session.get(url, timeout=timeout) as resp:
+            if resp.status != 200:
+                return None
+            card = (await resp.json(content_type=None))["data"][0]
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    value = card.get("max_model_len") if isinstance(card, dict) else None
+    return value if value.__class__ is int and value > 48 else None
 
 
 class Profiling:

@@ -1,0 +1,84 @@
+"""The learning loop's one sink: every measurement (a first token, a token interval, a
+completion's identified output, a profile probe) comes here, and here alone models
+change.
+
+* decode correction: the engine's TTFT and TPOT models (``perf.py``) learn from each;
+* drift scoring: when an engine's TTFT errors run one way its model is reopened and,
+  with profiling on, the engine is measured again before it takes new work;
+* admission calibration: the p95 of recent measured/predicted TTFT ratios;
+* output-length learning (``outputs.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import TYPE_CHECKING
+
+from .engines import EngineState
+from .outputs import OutputLengths
+from .profiling import reprofile
+
+if TYPE_CHECKING:
+    from .profiling import Measurement
+    from .scheduler import Ticket
+
+ERROR_WINDOW = 2048  # prediction errors kept for /status
+CALIBRATION_WINDOW = 256
+CALIBRATION_QUANTILE = 0.95
+CALIBRATION_MAX = 4.0
+
+
+class Learning:
+    def __init__(self, profiling: bool) -> None:
+        self.profiling = profiling
+        self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        self.ratios: deque[float] = deque(maxlen=CALIBRATION_WINDOW)
+        # Admission compares the budget with projection x calibration, so that requests
+        # admitted close to the budget still meet it when the model is a little optimistic.
+        self.calibration = 1.0
+        self._samples = 0
+        self.outputs = OutputLengths()
+
+    def first_token(self, t: Ticket, now: float) -> None:
+        e = t.engine
+        assert e is not None
+        resets = e.model.drift_resets
+        e.model.observe_ttft(t.work_ahead, t.decodes_at_dispatch, now - t.dispatched_at)
+        if e.model.drift_resets != resets and self.profiling:
+            reprofile(e)  # drifted: measured again before it takes new work
+        if t.predicted_ttft_s is None:
+            return
+        measured = now - t.arrival
+        if measured > 0:
+            self.errors.append(abs(t.predicted_ttft_s - measured) / measured)
+        if t.predicted_ttft_s > 0.01:
+            self.ratios.append(measured / t.predicted_ttft_s)
+            self._samples += 1
+            if self._samples % 8 == 0:  # re-derive now and then, not per token
+                xs = sorted(self.ratios)
+                q = xs[min(len(xs) - 1, int(CALIBRATION_QUANTILE * len(xs)))]
+                self.calibration = min(CALIBRATION_MAX, max(1.0, q))
+
+    def interval(self, e: EngineState, seconds: float) -> None:
+        e.model.observe_interval(e.decode, seconds)
+
+    def completed(self, t: Ticket, output_tokens: int) -> None:
+        if t.output_keys:
+            self.outputs.learn(t.output_keys, t.predicted_output, output_tokens)
+
+    def probe(self, e: EngineState, m: Measurement, work_ahead: float, decodes: int) -> None:
+        e.model.observe_ttft(work_ahead + m.prompt_tokens, decodes, m.ttft_s)
+        for seconds in m.intervals:
+            e.model.observe_interval(decodes + 1, seconds)
+
+    def error_quantiles(self) -> dict[str, float | None]:
+        if not self.errors:
+            return {"p50": None, "p90": None, "mape": None, "samples": 0}
+        xs = sorted(self.errors)
+
+        def q(p: float) -> float:
+            return round(xs[min(len(xs) - 1, math.floor(p * len(xs)))], 4)
+
+        return {"p50": q(0.5), "p90": q(0.9), "mape": round(sum(xs) / len(xs), 4),
+                "samples": len(xs)}

@@ -1,0 +1,121 @@
+"""Placement as a pipeline: filters, then weighted scorers, then a picker, each chosen by
+name in ``scheduler.filters`` / ``scheduler.scorers`` / ``scheduler.picker`` and checked
+against the registries below (the shape of the Gateway API Inference Extension's
+scheduling framework, so that a new policy is a new plugin, not a new branch).
+
+Every plugin is a plain function of the ticket and the candidates: the engine and its
+projections (TTFT with the work ahead, TPOT with one more decode), computed once per
+decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .engines import EngineState
+
+if TYPE_CHECKING:
+    from ..config import Scheduler as SchedulerConfig
+    from .scheduler import Ticket
+
+
+@dataclass(slots=True)
+class Candidate:
+    engine: EngineState
+    ttft_s: float  # projected dispatch-to-first-token
+    tpot_s: float  # projected time per output token with this request decoding too
+
+
+def project(e: EngineState, tokens: int, extra_work: float = 0.0) -> Candidate:
+    m = e.model
+    return Candidate(e, m.ttft_s(e.prefill_work + m.uncached(tokens) + extra_work, e.decode),
+                     m.tpot_s(e.decode + 1))
+
+
+Filter = Callable[["Ticket", list[Candidate], "SchedulerConfig"], list[Candidate]]
+Scorer = Callable[["Ticket", list[Candidate]], list[float]]
+Picker = Callable[[list[Candidate], list[float]], Candidate | None]
+
+
+def _subset(t: Ticket, cands: list[Candidate], cfg: SchedulerConfig) -> list[Candidate]:
+    """Only the endpoints the gateway allowed (its subset hint), if it named any."""
+    allowed = t.candidates
+    return cands if allowed is None else [c for c in cands if c.engine.endpoint in allowed]
+
+
+def _has_slot(t: Ticket, cands: list[Candidate], cfg: SchedulerConfig) -> list[Candidate]:
+    return [c for c in cands
+            if c.engine.has_slot(cfg.max_prefill_per_engine, cfg.max_decode_per_engine)]
+
+
+def _tpot_budget(t: Ticket, cands: list[Candidate], cfg: SchedulerConfig) -> list[Candidate]:
+    if t.tpot_budget_s is None:
+        return cands
+    return [c for c in cands if c.tpot_s <= t.tpot_budget_s]
+
+
+def _ttft(t: Ticket, cands: list[Candidate]) -> list[float]:
+    """Shortest projected TTFT scores 1; the others in proportion."""
+    best = min(c.ttft_s for c in cands)
+    return [best / c.ttft_s for c in cands]
+
+
+def _decode_load(t: Ticket, cands: list[Candidate]) -> list[float]:
+    """Fewest predicted output tokens still to decode scores 1."""
+    worst = max(c.engine.decode_backlog for c in cands)
+    return [1.0 - c.engine.decode_backlog / worst if worst > 0 else 1.0 for c in cands]
+
+
+def _kv_cache(t: Ticket, cands: list[Candidate]) -> list[float]:
+    return [1.0 - min(1.0, max(0.0, c.engine.kv_cache_usage)) for c in cands]
+
+
+def _max_score(cands: list[Candidate], scores: list[float]) -> Candidate | None:
+    """Highest score; ties go to the engine with fewer decodes, then the first listed."""
+    best: Candidate | None = None
+    best_key: tuple[float, int] | None = None
+    for c, s in zip(cands, scores, strict=True):
+        key = (-s, c.engine.decode)
+        if best_key is None or key < best_key:
+            best, best_key = c, key
+    return best
+
+
+FILTERS: dict[str, Filter] = {"subset": _subset, "has-slot": _has_slot,
+                              "tpot-budget": _tpot_budget}
+SCORERS: dict[str, Scorer] = {"ttft": _ttft, "decode-load": _decode_load, "kv-cache": _kv_cache}
+PICKERS: dict[str, Picker] = {"max-score": _max_score}
+
+
+def check_profile(filters: tuple[str, ...], scorers: dict[str, float], picker: str) -> None:
+    """Raise ValueError naming the first unknown plugin (config validation)."""
+    for kind, names, registry in (("filters", filters, FILTERS), ("scorers", scorers, SCORERS),
+                                  ("picker", [picker], PICKERS)):
+        for name in names:
+            if name not in registry:
+                raise ValueError(f"scheduler.{kind}: unknown {name!r} "
+                                 f"(known: {', '.join(sorted(registry))})")
+    if not scorers:
+        raise ValueError("scheduler.scorers: at least one scorer is needed")
+
+
+class Pipeline:
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        check_profile(cfg.filters, cfg.scorers, cfg.picker)
+        self.cfg = cfg
+        self.filters = [FILTERS[n] for n in cfg.filters]
+        self.scorers = [(SCORERS[n], w) for n, w in cfg.scorers.items() if w > 0]
+        self.picker = PICKERS[cfg.picker]
+
+    def pick(self, t: Ticket, cands: list[Candidate]) -> Candidate | None:
+        for f in self.filters:
+            cands = f(t, cands, self.cfg)
+            if not cands:
+                return None
+        total = [0.0] * len(cands)
+        for scorer, weight in self.scorers:
+            for i, s in enumerate(scorer(t, cands)):
+                total[i] += weight * s
+        return self.picker(cands, total)

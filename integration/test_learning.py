@@ -1,0 +1,57 @@
+"""TPOT scoring and output-length learning through a real Envoy."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from narwhal.launch import SimSpec
+
+from .conftest import MODEL, _stack
+from .test_profiling import engine, status, wait_engine
+
+
+@pytest.fixture(scope="module")
+def decoders():
+    yield from _stack([SimSpec("quick", args=["--tpot-ms", "5", "--natural-output", "20"]),
+                       SimSpec("sluggish", args=["--tpot-ms", "60"])])
+
+
+def chat(stack, headers: dict[str, str] | None = None, system: str = "You are terse.",
+         max_tokens: int = 64) -> httpx.Response:
+    return httpx.post(f"{stack.url}/v1/chat/completions", timeout=60, headers=headers or {},
+                      json={"model": MODEL, "max_tokens": max_tokens, "stream": True,
+                            "messages": [{"role": "system", "content": system},
+                                         {"role": "user", "content": "hello"}]})
+
+
+def test_tpot_budget_places_on_engines_that_meet_it_and_refuses_otherwise(decoders):
+    for name in ("quick", "sluggish"):
+        wait_engine(decoders, name, lambda e: e["profiled"])
+    assert engine(decoders, "sluggish")["tpot_ms"] > 30 > engine(decoders, "quick")["tpot_ms"]
+    before = engine(decoders, "sluggish")["dispatched"]
+    for _ in range(5):
+        assert chat(decoders, {"x-slo-tpot-ms": "30"}).status_code == 200
+    assert engine(decoders, "sluggish")["dispatched"] == before
+    refused = chat(decoders, {"x-slo-tpot-ms": "1"})
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "tpot_budget_exceeded"
+    assert refused.headers["retry-after"] == "1"
+    bad = chat(decoders, {"x-slo-tpot-ms": "fast"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-slo-tpot-ms"
+
+
+def test_output_length_is_learned_from_identified_output(decoders):
+    wait_engine(decoders, "quick", lambda e: e["profiled"])
+    predicted, actual = [], []
+    for _ in range(12):
+        resp = chat(decoders, {"x-slo-tpot-ms": "30"}, system="You answer in twenty words.",
+                    max_tokens=512)
+        assert resp.status_code == 200
+        predicted.append(int(resp.headers["x-narwhal-predicted-output-tokens"]))
+        actual.append(sum(1 for line in resp.text.splitlines()
+                          if line.startswith("data: {") and '"content":" ' in line))
+    # the first guess came from other applications' answers (the route's average)
+    late = [abs(p - a) / a for p, a in zip(predicted[6:], actual[6:], strict=True)]
+    assert sum(late) / len(late) < 0.6  # lognormal outputs: the mean is the best guess
+    assert status(decoders)["output_length_error"]["samples"] >= 12

@@ -1,0 +1,118 @@
+"""The placement pipeline, TPOT scoring and output-length learning on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from narwhal.config import ConfigError, parse
+from narwhal.core.outputs import OutputLengths, system_hash
+from narwhal.core.router import Router
+from narwhal.core.scheduler import Dispatch, Refuse, Ticket
+
+
+def router(**sections) -> Router:
+    cfg = {"engines": [{"name": "fast", "url": "http://127.0.0.1:1", "prefill_tps": 4000,
+                        "tpot_ms": 40},
+                       {"name": "slow", "url": "http://127.0.0.1:2", "prefill_tps": 1000,
+                        "tpot_ms": 10}]}
+    cfg.update(sections)
+    r = Router(parse(cfg), clock=lambda: 100.0)
+    r.started = True
+    for e in r.engines:
+        e.healthy = e.checked = e.profiled = True
+        e.telemetry_at = 100.0
+    return r
+
+
+def ticket(tokens: int = 1000, tpot_s: float | None = None) -> Ticket:
+    return Ticket(None, tokens, 100.0, 60.0, 160.0, tpot_budget_s=tpot_s)
+
+
+def test_the_default_profile_picks_the_shortest_projected_ttft():
+    r = router()
+    d = r.scheduler.admit(ticket(), 100.0)
+    assert isinstance(d, Dispatch) and d.engine.name == "fast"
+
+
+def test_a_tpot_budget_filters_engines_and_refuses_when_none_meets_it():
+    r = router()
+    d = r.scheduler.admit(ticket(tpot_s=0.02), 100.0)  # fast decodes at 40 ms a token
+    assert isinstance(d, Dispatch) and d.engine.name == "slow"
+    d = r.scheduler.admit(ticket(tpot_s=0.005), 100.0)
+    assert isinstance(d, Refuse) and d.error.status == 429
+    assert d.error.code == "tpot_budget_exceeded" and d.error.terminal == "refused"
+
+
+def test_scorers_are_weighted_and_named_in_config():
+    r = router(scheduler={"scorers": {"ttft": 0.1, "kv-cache": 1.0}})
+    fast, slow = r.engines
+    fast.kv_cache_usage, slow.kv_cache_usage = 0.9, 0.1
+    d = r.scheduler.admit(ticket(), 100.0)
+    assert d.engine is slow  # kv headroom outweighs the faster prefill
+
+
+def test_decode_load_scorer_uses_predicted_output():
+    r = router(scheduler={"scorers": {"decode-load": 1.0}})
+    fast, slow = r.engines
+    fast.decode_backlog, slow.decode_backlog = 5000, 100
+    assert r.scheduler.admit(ticket(), 100.0).engine is slow
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"filters": ["subset", "nope"]}, "scheduler.filters: unknown 'nope'"),
+    ({"scorers": {"ttft": 1, "magic": 2}}, "scheduler.scorers: unknown 'magic'"),
+    ({"picker": "random"}, "scheduler.picker: unknown 'random'"),
+    ({"scorers": {}}, "at least one scorer"),
+    ({"scorers": {"ttft": -1}}, "must not be negative"),
+    ({"filters": "has-slot"}, "expected a list of names"),
+])
+def test_unknown_plugins_are_config_errors(section, message):
+    with pytest.raises(ConfigError, match=message):
+        parse({"scheduler": section})
+
+
+def test_passthrough_uses_the_pipeline():
+    r = router()
+    fast, slow = r.engines
+    fast.prefill_work = 100_000  # 25 s of prefill queued on fast
+    assert r.scheduler.place_passthrough(100.0, None) is slow
+    assert r.scheduler.place_passthrough(100.0, frozenset({fast.endpoint})) is fast
+
+
+def test_output_lengths_learn_per_application_and_back_off():
+    o = OutputLengths(default=128)
+    chat_a = {"messages": [{"role": "system", "content": "You write haiku."}]}
+    chat_b = {"messages": [{"role": "system", "content": "You write essays."}]}
+    ka = o.keys(True, system_hash(chat_a), 1024, 300)
+    kb = o.keys(True, system_hash(chat_b), 1024, 300)
+    assert o.predict(ka, 1024) == 128
+    for _ in range(30):
+        o.learn(ka, o.predict(ka, 1024), 20)
+        o.learn(kb, o.predict(kb, 1024), 600)
+    assert o.predict(ka, 1024) == pytest.approx(20, abs=2)
+    assert o.predict(kb, 1024) == pytest.approx(600, abs=30)
+    assert o.predict(kb, 100) == 100  # never above max_tokens
+    other_size = o.keys(True, system_hash(chat_a), 1024, 5000)  # unseen prompt size
+    assert o.predict(other_size, 1024) == pytest.approx(20, abs=2)  # backs off to the app
+    summary = o.error_summary()
+    assert summary["samples"] == 60 and summary["p50"] < 0.2
+
+
+def test_output_length_memory_is_bounded():
+    o = OutputLengths()
+    for i in range(10_000):
+        o.learn(o.keys(True, i, 64, 10), 10, 10)
+    assert len(o.stats) <= 4096
+
+
+def test_completion_feeds_output_learning_through_release():
+    r = router()
+    t = ticket()
+    r.scheduler.predict_output(t, True, {"messages": []}, 256)
+    assert t.predicted_output == 128
+    d = r.scheduler.admit(t, 100.0)
+    assert d.engine.decode_backlog == 128
+    r.scheduler.first_token(t, 100.5)
+    r.scheduler.release(t, 40)
+    assert d.engine.decode_backlog == 0
+    assert r.learning.outputs.error_summary()["samples"] == 1
