@@ -76,20 +76,23 @@ def test_a_router_with_only_unprofiled_engines_is_not_ready():
 
 
 def test_a_slowed_engine_is_detected_and_profiled_again():
-    stack = Stack(sims=[SimSpec("drifty", args=["--tpot-ms", "20", "--prefill-tps", "4000"])],
-                  model=MODEL)
+    timing = ["--tpot-ms", "20", "--prefill-tps", "4000"]
+    stack = Stack(sims=[SimSpec("drifty", args=timing), SimSpec("steady", args=timing)],
+                  model=MODEL, config={"router": {"conformance_hooks": True}})
     stack.start()
     try:
         first = wait_engine(stack, "drifty", lambda e: e["profiled"])
+        wait_engine(stack, "steady", lambda e: e["profiled"])
         port = stack.sims[0].port
-        with httpx.Client(base_url=stack.url, timeout=60) as c:
+        pin = {"test-epp-endpoint-selection": first["endpoint"]}  # all traffic on drifty
+        with httpx.Client(base_url=stack.url, timeout=60, headers=pin) as c:
             def some(n: int) -> None:
                 for i in range(n):
                     text = f"{i:04d} " + "abcd " * (100 + 40 * (i % 8))
                     resp = c.post("/v1/chat/completions", json={
                         "model": MODEL, "max_tokens": 2,
                         "messages": [{"role": "user", "content": text}]})
-                    assert resp.status_code == 200
+                    assert resp.status_code in (200, 503)  # 503 while it is re-profiled
 
             some(20)  # learned
             assert engine(stack, "drifty")["drift_resets"] == first["drift_resets"]

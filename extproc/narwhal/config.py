@@ -117,6 +117,9 @@ class Telemetry:
     # joins, comes back, or its model drifts); off: engines are eligible on health alone.
     profiling: bool = True
     profile_timeout_ms: int = 60_000
+    # Mean signed relative TTFT error past which an engine's model is found drifted: it is
+    # re-learned and (when another engine can serve) profiled again. 0: never.
+    drift_threshold: float = 0.25
     # The bearer token admin mutations (/admin/*) require; with none set they are refused.
     # One of: the token itself, a file holding it (a mounted Secret), an environment variable.
     admin_token: str = ""

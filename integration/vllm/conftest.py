@@ -82,7 +82,9 @@ def _pair(server: VllmServer) -> Iterator[Pair]:
         "admission": {"ttft_target_ms": 120_000, "max_ttft_target_ms": 120_000},
         "engines": [{"name": server.name, "url": server.url, "dialect": "vllm"}],
         # Two CPU vLLMs share 2 cores with the tests: /health can take seconds.
-        "telemetry": {"health_timeout_ms": 5000, "stale_after_ms": 30_000},
+        # Their timing is CPU contention, not drift: do not re-learn on it.
+        "telemetry": {"health_timeout_ms": 5000, "stale_after_ms": 30_000,
+                      "drift_threshold": 0},
     }
     stack = Stack(sims=[], config=config, model=SERVED_MODEL)
     stack.start()

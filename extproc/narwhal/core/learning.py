@@ -20,6 +20,7 @@ from .outputs import OutputLengths
 from .profiling import reprofile
 
 if TYPE_CHECKING:
+    from .pool import Pool
     from .profiling import Measurement
     from .scheduler import Ticket
 
@@ -30,8 +31,8 @@ CALIBRATION_MAX = 4.0
 
 
 class Learning:
-    def __init__(self, profiling: bool) -> None:
-        self.profiling = profiling
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
         self.ratios: deque[float] = deque(maxlen=CALIBRATION_WINDOW)
         # Admission compares the budget with projection x calibration, so that requests
@@ -45,8 +46,12 @@ class Learning:
         assert e is not None
         resets = e.model.drift_resets
         e.model.observe_ttft(t.work_ahead, t.decodes_at_dispatch, now - t.dispatched_at)
-        if e.model.drift_resets != resets and self.profiling:
-            reprofile(e)  # drifted: measured again before it takes new work
+        # Drifted: measured again before it takes new work, unless it is the only engine
+        # that can serve (its reopened model relearns from live traffic then: drift must
+        # not become an outage).
+        if (e.model.drift_resets != resets and self.pool.profiling
+                and any(o is not e for o in self.pool.serviceable(now))):
+            reprofile(e)
         if t.predicted_ttft_s is None:
             return
         measured = now - t.arrival

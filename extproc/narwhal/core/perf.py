@@ -97,6 +97,7 @@ class PerfModel:
     # Mean signed relative TTFT error (measured - predicted) / measured, recent samples.
     drift: float = 0.0
     drift_resets: int = 0
+    drift_limit: float = DRIFT_LIMIT  # telemetry.drift_threshold; 0: never reset
     _hits: tuple[float, float] | None = None  # last scraped (queries, hits)
 
     def __post_init__(self) -> None:
@@ -133,7 +134,7 @@ class PerfModel:
         self.samples += 1
         err = (seconds - predicted) / seconds
         self.drift += DRIFT_EWMA * (err - self.drift)
-        if abs(self.drift) > DRIFT_LIMIT:
+        if self.drift_limit and abs(self.drift) > self.drift_limit:
             # Errors all one way: the engine is not what it was (slowed, sped up, or the
             # seeds were wrong). Reopen the model so the next samples re-learn it.
             self.ttft.reset()

@@ -15,6 +15,7 @@ class Pool:
     def __init__(self, config: Config) -> None:
         self.stale_after_s = config.telemetry.stale_after_ms / 1000
         self.profiling = config.telemetry.profiling
+        self.drift_threshold = config.telemetry.drift_threshold
         self.engines: list[EngineState] = []
         for cfg in config.engines:
             self._add(cfg)
@@ -22,6 +23,7 @@ class Pool:
     def _add(self, cfg: EngineConfig) -> EngineState:
         e = EngineState.from_config(cfg)
         e.profiled = not self.profiling  # with profiling off, health alone admits it
+        e.model.drift_limit = self.drift_threshold
         self.engines.append(e)
         return e
 

@@ -43,7 +43,7 @@ class Router:
         self.clock = clock
         self.timers: Timers = timers or NoTimers()
         self.pool = Pool(config)
-        self.learning = Learning(config.telemetry.profiling)
+        self.learning = Learning(self.pool)
         self.scheduler = Scheduler(config, self.pool, self.learning)
         self.sizer = Sizer(config.sizing.bytes_per_token, config.sizing.tokenizer)
         self.accounting = Accounting()
