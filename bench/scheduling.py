@@ -200,7 +200,7 @@ def summarize(results: list[Result], duration: float, budget_s: float, scale: fl
 
 # Requests/s the pool completes when saturated, GPU-equivalent (time scale 1), measured
 # with --calibrate (Narwhal open at 4x this, completions per second once queues build).
-CAPACITY_GPU_RPS = 180.0
+CAPACITY_GPU_RPS = 148.0
 
 
 def capacity_rps(scale: float) -> float:

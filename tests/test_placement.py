@@ -108,7 +108,7 @@ def test_output_length_memory_is_bounded():
 def test_completion_feeds_output_learning_through_release():
     r = router()
     t = ticket()
-    r.scheduler.predict_output(t, True, {"messages": []}, 256)
+    r.scheduler.annotate(t, True, {"messages": []}, 256)
     assert t.predicted_output == 128
     d = r.scheduler.admit(t, 100.0)
     assert d.engine.decode_backlog == 128
@@ -116,3 +116,41 @@ def test_completion_feeds_output_learning_through_release():
     r.scheduler.release(t, 40)
     assert d.engine.decode_backlog == 0
     assert r.learning.outputs.error_summary()["samples"] == 1
+
+
+def test_prefix_index_charges_only_uncached_prefill_and_steers_placement():
+    r = router(engines=[{"name": "a", "url": "http://127.0.0.1:1", "prefill_tps": 2000},
+                        {"name": "b", "url": "http://127.0.0.1:2", "prefill_tps": 2000}])
+    a, b = r.engines
+    system = {"role": "system", "content": "You are a careful assistant. " * 100}  # 2.9 kB
+
+    def t_for(question: str) -> Ticket:
+        t = ticket(750)
+        r.scheduler.annotate(t, True, {"messages": [system, {"role": "user",
+                                                            "content": question}]}, 64)
+        return t
+
+    first = t_for("first?")
+    assert r.scheduler.admit(first, 100.0).engine is a  # tie: the first listed
+    r.scheduler.first_token(first, 100.4)
+    r.scheduler.release(first, 10)
+    b.prefill_work = 300  # b is a little busier, and has not seen the system prompt
+    second = t_for("second?")
+    d = r.scheduler.admit(second, 100.5)
+    assert d.engine is a and second.work < 0.1 * 750  # ~95% of the prompt is cached on a
+    assert a.prefix.match(second.blocks) == len(second.blocks)
+    assert a.predicted_hit_rate > 0
+
+
+def test_prefix_index_memory_is_bounded_and_lru():
+    from narwhal.core.prefix import PrefixIndex, prompt_blocks
+
+    idx = PrefixIndex(100)
+    old, _ = prompt_blocks({"prompt": "x" * 64 * 60})
+    new, _ = prompt_blocks({"prompt": "y" * 64 * 60})
+    idx.insert(old)
+    idx.insert(new)
+    assert len(idx.blocks) == 100 and idx.evictions == 20
+    assert idx.match(new) == 60 and idx.match(old) == 0  # the oldest blocks went first
+    changed, _ = prompt_blocks({"prompt": "y" * 64 * 10 + "z" + "y" * (64 * 50 - 1)})
+    assert idx.match(changed) == 10  # chained: one byte ends the match

@@ -61,6 +61,9 @@ class Scheduler:
     filters: tuple[str, ...] = ("subset", "has-slot", "tpot-budget")
     scorers: dict[str, float] = field(default_factory=lambda: {"ttft": 1.0})
     picker: str = "max-score"
+    # Prompt blocks (64 bytes) remembered per engine for the approximate prefix-cache
+    # index (core/prefix.py); 0: off (the engine's own hit rate discounts every prompt).
+    prefix_index_blocks: int = 65_536
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,10 +3,11 @@ work Narwhal has dispatched to it, and its performance model (``perf.py``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import EngineConfig
 from .perf import PerfModel
+from .prefix import PrefixIndex
 
 TOKEN_ID_DIALECTS = frozenset({"vllm"})
 
@@ -30,6 +31,8 @@ class EngineState:
     prefill_work: float = 0.0
     # Predicted output tokens of the requests placed here (output-length learning).
     decode_backlog: int = 0
+    prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))
+    predicted_hit_rate: float = 0.0  # recent share of dispatched prompts found in ``prefix``
     completed: int = 0
     output_tokens: int = 0
     measurement_failures: int = 0

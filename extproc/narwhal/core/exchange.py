@@ -239,7 +239,7 @@ class Exchange:
         tokens = self.router.sizer.estimate(req.prompt_bytes, req.prompt_text)
         self.ticket = Ticket(self, tokens, self.arrival, self.budget_s, self.deadline,
                              candidates=self.candidates, tpot_budget_s=self.tpot_budget_s)
-        self.router.scheduler.predict_output(self.ticket, req.chat, req.body, req.max_tokens)
+        self.router.scheduler.annotate(self.ticket, req.chat, req.body, req.max_tokens)
         decision = self.router.scheduler.admit(self.ticket, now)
         if isinstance(decision, Refuse):
             return self._refuse(decision.error)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .engines import EngineState
+from .prefix import BLOCK_BYTES
 
 if TYPE_CHECKING:
     from ..config import Scheduler as SchedulerConfig
@@ -28,9 +29,24 @@ class Candidate:
     tpot_s: float  # projected time per output token with this request decoding too
 
 
-def project(e: EngineState, tokens: int, extra_work: float = 0.0) -> Candidate:
+def cached_fraction(e: EngineState, t: Ticket) -> float:
+    """The share of the prompt the engine's prefix index says it has seen."""
+    if not t.blocks or not e.prefix.capacity:
+        return 0.0
+    return min(1.0, e.prefix.match(t.blocks) * BLOCK_BYTES / t.prompt_bytes)
+
+
+def uncached(e: EngineState, t: Ticket) -> float:
+    """Prompt tokens the engine is expected to compute: by its prefix index, or (with the
+    index off, or a prompt it cannot cut) by the engine's own recent hit rate."""
+    if t.blocks and e.prefix.capacity:
+        return t.tokens * (1.0 - cached_fraction(e, t))
+    return e.model.uncached(t.tokens)
+
+
+def project(e: EngineState, t: Ticket, extra_work: float = 0.0) -> Candidate:
     m = e.model
-    return Candidate(e, m.ttft_s(e.prefill_work + m.uncached(tokens) + extra_work, e.decode),
+    return Candidate(e, m.ttft_s(e.prefill_work + uncached(e, t) + extra_work, e.decode),
                      m.tpot_s(e.decode + 1))
 
 

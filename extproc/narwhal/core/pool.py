@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..config import Config, EngineConfig
 from .engines import EngineState
+from .prefix import PrefixIndex
 
 
 class Pool:
@@ -16,6 +17,7 @@ class Pool:
         self.stale_after_s = config.telemetry.stale_after_ms / 1000
         self.profiling = config.telemetry.profiling
         self.drift_threshold = config.telemetry.drift_threshold
+        self.prefix_blocks = config.scheduler.prefix_index_blocks
         self.engines: list[EngineState] = []
         for cfg in config.engines:
             self._add(cfg)
@@ -24,6 +26,7 @@ class Pool:
         e = EngineState.from_config(cfg)
         e.profiled = not self.profiling  # with profiling off, health alone admits it
         e.model.drift_limit = self.drift_threshold
+        e.prefix = PrefixIndex(self.prefix_blocks)
         self.engines.append(e)
         return e
 

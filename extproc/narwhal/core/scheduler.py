@@ -19,8 +19,9 @@ from .engines import EngineState
 from .errors import HttpError
 from .learning import Learning
 from .outputs import Key, OutputLengths, system_hash
-from .placement import Candidate, Pipeline, project
+from .placement import Candidate, Pipeline, cached_fraction, project, uncached
 from .pool import Pool
+from .prefix import prompt_blocks
 
 
 @dataclass(slots=True)
@@ -46,6 +47,8 @@ class Ticket:
     tpot_budget_s: float | None = None
     predicted_output: int = 0
     output_keys: list[Key] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # prompt block hashes (prefix index)
+    prompt_bytes: int = 0
 
 
 class Decision:
@@ -77,10 +80,14 @@ class Scheduler:
         self.queued_tokens = 0
 
     # -- admission -----------------------------------------------------------------
-    def predict_output(self, t: Ticket, chat: bool, body: dict[str, Any],
-                       max_tokens: int | None) -> None:
+    def annotate(self, t: Ticket, chat: bool, body: dict[str, Any],
+                 max_tokens: int | None) -> None:
+        """What admission and placement know of a request beyond its size: its predicted
+        output length, and its prompt's blocks for the prefix index."""
         t.output_keys = OutputLengths.keys(chat, system_hash(body), max_tokens, t.tokens)
         t.predicted_output = self.learning.outputs.predict(t.output_keys, max_tokens)
+        if self.config.scheduler.prefix_index_blocks:
+            t.blocks, t.prompt_bytes = prompt_blocks(body)
 
     def admit(self, t: Ticket, now: float) -> Decision:
         engines = self.pool.serviceable(now, t.candidates)
@@ -89,7 +96,7 @@ class Scheduler:
         # Queued work (if any) goes to the engines in proportion to their speed.
         rates = [min(1e9, e.model.learned_prefill_tps) for e in engines]
         total = sum(rates)
-        cands = [project(e, t.tokens, self.queued_tokens * r / total)
+        cands = [project(e, t, self.queued_tokens * r / total)
                  for e, r in zip(engines, rates, strict=True)]
         predictive = self.config.admission.mode == "predictive"
         if predictive and t.tpot_budget_s is not None:
@@ -101,8 +108,7 @@ class Scheduler:
         projected = min(c.ttft_s for c in cands)
         t.predicted_ttft_s = projected
         if predictive:
-            alone = min(c.engine.model.ttft_s(c.engine.model.uncached(t.tokens), 0)
-                        for c in cands)
+            alone = min(c.engine.model.ttft_s(uncached(c.engine, t), 0) for c in cands)
             if alone > t.budget_s:
                 return Refuse(errors.prompt_too_long(alone, t.budget_s))
             calibrated = projected * self.learning.calibration
@@ -120,7 +126,7 @@ class Scheduler:
         return Queued()
 
     def _place(self, t: Ticket, now: float, engines: list[EngineState]) -> EngineState | None:
-        picked = self.pipeline.pick(t, [project(e, t.tokens) for e in engines])
+        picked = self.pipeline.pick(t, [project(e, t) for e in engines])
         if picked is None:
             return None
         e = picked.engine
@@ -128,7 +134,10 @@ class Scheduler:
         e.dispatched += 1
         t.engine = e
         t.dispatched_at = now
-        t.work = e.model.uncached(t.tokens)
+        t.work = uncached(e, t)
+        if t.blocks:
+            e.predicted_hit_rate += 0.05 * (cached_fraction(e, t) - e.predicted_hit_rate)
+            e.prefix.insert(t.blocks)
         e.prefill_work += t.work
         e.decode_backlog += t.predicted_output
         t.work_ahead = e.prefill_work
@@ -140,7 +149,7 @@ class Scheduler:
         """A request Narwhal does not meter (``GET /v1/models``): the same pipeline,
         for an empty prompt."""
         t = Ticket(None, 0, now, 0.0, now, candidates=candidates)
-        picked = self.pipeline.pick(t, [project(e, 0) for e in
+        picked = self.pipeline.pick(t, [project(e, t) for e in
                                         self.pool.serviceable(now, candidates)])
         return None if picked is None else picked.engine
 

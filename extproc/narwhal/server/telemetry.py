@@ -77,8 +77,10 @@ async def scrape_engine(router: Router, engine: EngineState,
         engine.health_timeouts = 0
     if ok != engine.healthy or not engine.checked:
         log.info("engine %s is %s", engine.name, "healthy" if ok else "unhealthy")
-        if ok and engine.checked and router.config.telemetry.profiling:
-            reprofile(engine)  # it came back: measure it again before it takes work
+        if ok and engine.checked:
+            engine.prefix.clear()  # it may have restarted: its prefix cache is gone
+            if router.config.telemetry.profiling:
+                reprofile(engine)  # it came back: measure it again before it takes work
     engine.healthy = ok
     engine.checked = True
     if fresh:
