@@ -3,6 +3,7 @@ work Narwhal has dispatched to it, and its performance model (``perf.py``)."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import EngineConfig
@@ -33,6 +34,10 @@ class EngineState:
     decode_backlog: int = 0
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))
     predicted_hit_rate: float = 0.0  # recent share of dispatched prompts found in ``prefix``
+    # Admission margin for this engine: the p95 of recent measured/predicted TTFT ratios
+    # (learning.py). Per engine: one engine's model error must not widen every margin.
+    calibration: float = 1.0
+    ratios: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     completed: int = 0
     output_tokens: int = 0
     measurement_failures: int = 0

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from .scheduler import Ticket
 
 ERROR_WINDOW = 2048  # prediction errors kept for /status
-CALIBRATION_WINDOW = 256
 CALIBRATION_QUANTILE = 0.95
 CALIBRATION_MAX = 4.0
 
@@ -34,11 +33,6 @@ class Learning:
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
-        self.ratios: deque[float] = deque(maxlen=CALIBRATION_WINDOW)
-        # Admission compares the budget with projection x calibration, so that requests
-        # admitted close to the budget still meet it when the model is a little optimistic.
-        self.calibration = 1.0
-        self._samples = 0
         self.outputs = OutputLengths()
 
     def first_token(self, t: Ticket, now: float) -> None:
@@ -58,12 +52,14 @@ class Learning:
         if measured > 0:
             self.errors.append(abs(t.predicted_ttft_s - measured) / measured)
         if t.predicted_ttft_s > 0.01:
-            self.ratios.append(measured / t.predicted_ttft_s)
-            self._samples += 1
-            if self._samples % 8 == 0:  # re-derive now and then, not per token
-                xs = sorted(self.ratios)
+            # Admission compares the budget with projection x the engine's calibration, so
+            # that requests admitted close to the budget still meet it when the model is a
+            # little optimistic about that engine.
+            e.ratios.append(measured / t.predicted_ttft_s)
+            if len(e.ratios) % 8 == 0 or len(e.ratios) == e.ratios.maxlen:
+                xs = sorted(e.ratios)
                 q = xs[min(len(xs) - 1, int(CALIBRATION_QUANTILE * len(xs)))]
-                self.calibration = min(CALIBRATION_MAX, max(1.0, q))
+                e.calibration = min(CALIBRATION_MAX, max(1.0, q))
 
     def interval(self, e: EngineState, seconds: float) -> None:
         e.model.observe_interval(e.decode, seconds)

@@ -111,7 +111,7 @@ class Scheduler:
             alone = min(c.engine.model.ttft_s(uncached(c.engine, t), 0) for c in cands)
             if alone > t.budget_s:
                 return Refuse(errors.prompt_too_long(alone, t.budget_s))
-            calibrated = projected * self.learning.calibration
+            calibrated = min(c.ttft_s * c.engine.calibration for c in cands)
             if calibrated > t.budget_s:
                 return Refuse(errors.projected_over_budget(calibrated, t.budget_s))
         if not self.queue:
@@ -134,6 +134,8 @@ class Scheduler:
         e.dispatched += 1
         t.engine = e
         t.dispatched_at = now
+        if t.predicted_ttft_s is not None:  # the projection of the engine it got
+            t.predicted_ttft_s = picked.ttft_s + (now - t.arrival)
         t.work = uncached(e, t)
         if t.blocks:
             e.predicted_hit_rate += 0.05 * (cached_fraction(e, t) - e.predicted_hit_rate)
