@@ -154,3 +154,14 @@ def test_prefix_index_memory_is_bounded_and_lru():
     assert idx.match(new) == 60 and idx.match(old) == 0  # the oldest blocks went first
     changed, _ = prompt_blocks({"prompt": "y" * 64 * 10 + "z" + "y" * (64 * 50 - 1)})
     assert idx.match(changed) == 10  # chained: one byte ends the match
+
+
+def test_kv_full_engines_take_no_new_requests_and_a_full_pool_refuses():
+    r = router()
+    fast, slow = r.engines
+    fast.kv_cache_usage = 0.97
+    assert r.scheduler.admit(ticket(), 100.0).engine is slow
+    slow.kv_cache_usage = 0.99
+    d = r.scheduler.admit(ticket(), 100.0)
+    assert isinstance(d, Refuse) and d.error.code == "engines_saturated"
+    assert d.error.status == 429 and d.error.retry_after == 1

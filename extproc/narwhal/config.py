@@ -58,12 +58,15 @@ class Scheduler:
     max_prefill_per_engine: int = 4
     max_decode_per_engine: int = 64
     # The placement pipeline (core/placement.py): filters in order, weighted scorers, a picker.
-    filters: tuple[str, ...] = ("subset", "has-slot", "tpot-budget")
+    filters: tuple[str, ...] = ("subset", "has-slot", "tpot-budget", "kv-headroom")
     scorers: dict[str, float] = field(default_factory=lambda: {"ttft": 1.0})
     picker: str = "max-score"
     # Prompt blocks (64 bytes) remembered per engine for the approximate prefix-cache
     # index (core/prefix.py); 0: off (the engine's own hit rate discounts every prompt).
     prefix_index_blocks: int = 65_536
+    # An engine whose scraped KV-cache usage is at least this is saturated: new requests
+    # would wait inside it for blocks, which no projection sees (kv-headroom filter).
+    kv_usage_limit: float = 0.95
 
 
 @dataclass(frozen=True, slots=True)

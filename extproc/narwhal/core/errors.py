@@ -81,6 +81,13 @@ def prompt_too_long(alone_s: float, budget_s: float) -> HttpError:
         code="prompt_exceeds_ttft_budget")
 
 
+def engines_saturated() -> HttpError:
+    return HttpError(
+        429, "Every engine's KV cache is full (scheduler.kv_usage_limit): no time to first "
+        "token can be promised; retry later", "rate_limit_error", REFUSED,
+        code="engines_saturated", retry_after=1)
+
+
 def tpot_over_budget(projected_s: float, budget_s: float) -> HttpError:
     return HttpError(
         429, f"No engine can meet the {budget_s * 1000:.0f} ms time per output token budget "

@@ -72,6 +72,12 @@ def _tpot_budget(t: Ticket, cands: list[Candidate], cfg: SchedulerConfig) -> lis
     return [c for c in cands if c.tpot_s <= t.tpot_budget_s]
 
 
+def _kv_headroom(t: Ticket, cands: list[Candidate], cfg: SchedulerConfig) -> list[Candidate]:
+    """Not onto an engine whose KV cache is full: the request would wait inside it until
+    running sequences finish, a wait the TTFT projection does not see."""
+    return [c for c in cands if c.engine.kv_cache_usage < cfg.kv_usage_limit]
+
+
 def _ttft(t: Ticket, cands: list[Candidate]) -> list[float]:
     """Shortest projected TTFT scores 1; the others in proportion."""
     best = min(c.ttft_s for c in cands)
@@ -100,7 +106,7 @@ def _max_score(cands: list[Candidate], scores: list[float]) -> Candidate | None:
 
 
 FILTERS: dict[str, Filter] = {"subset": _subset, "has-slot": _has_slot,
-                              "tpot-budget": _tpot_budget}
+                              "tpot-budget": _tpot_budget, "kv-headroom": _kv_headroom}
 SCORERS: dict[str, Scorer] = {"ttft": _ttft, "decode-load": _decode_load, "kv-cache": _kv_cache}
 PICKERS: dict[str, Picker] = {"max-score": _max_score}
 

@@ -99,6 +99,12 @@ class Scheduler:
         cands = [project(e, t, self.queued_tokens * r / total)
                  for e, r in zip(engines, rates, strict=True)]
         predictive = self.config.admission.mode == "predictive"
+        if predictive and "kv-headroom" in self.config.scheduler.filters:
+            room = [c for c in cands
+                    if c.engine.kv_cache_usage < self.config.scheduler.kv_usage_limit]
+            if not room:
+                return Refuse(errors.engines_saturated())
+            cands = room
         if predictive and t.tpot_budget_s is not None:
             fit = [c for c in cands if c.tpot_s <= t.tpot_budget_s]
             if not fit:
