@@ -119,7 +119,7 @@ class Telemetry:
     # /health answer marks it unhealthy at once; stale telemetry still applies.
     unhealthy_after_timeouts: int = 3
     stale_after_ms: int = 5000
-    # Measure an engine with three synthetic requests before it takes traffic (when it
+    # Measure an engine with five synthetic requests before it takes traffic (when it
     # joins, comes back, or its model drifts); off: engines are eligible on health alone.
     profiling: bool = True
     profile_timeout_ms: int = 60_000

@@ -449,8 +449,6 @@ class Exchange:
         if t is not None and t.first_token_at is None:
             self.router.scheduler.first_token(t, now)
             self.router.pump()
-        elif self.engine is not None and self.last_token_at:
-            self.router.learning.interval(self.engine, (now - self.last_token_at) / n)
         self.last_token_at = now
 
     def _computed_usage(self) -> dict[str, int]:
@@ -538,7 +536,7 @@ class Exchange:
                 if usage is not None and self.request is not None:
                     router.sizer.learn(self.request.prompt_bytes, usage.get("prompt_tokens"))
         if self.ticket is not None:
-            router.scheduler.release(self.ticket, identified)
+            router.scheduler.release(self.ticket, identified, self.last_token_at)
             router.pump()
 
     def _settle_passthrough(self) -> None:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 ERROR_WINDOW = 2048  # prediction errors kept for /status
 CALIBRATION_QUANTILE = 0.95
-CALIBRATION_MAX = 4.0
+CALIBRATION_MAX = 10.0
 
 
 class Learning:
@@ -61,10 +61,14 @@ class Learning:
                 q = xs[min(len(xs) - 1, int(CALIBRATION_QUANTILE * len(xs)))]
                 e.calibration = min(CALIBRATION_MAX, max(1.0, q))
 
-    def interval(self, e: EngineState, seconds: float) -> None:
-        e.model.observe_interval(e.decode, seconds)
-
-    def completed(self, t: Ticket, output_tokens: int) -> None:
+    def completed(self, t: Ticket, output_tokens: int, last_token_at: float) -> None:
+        """A completion with identified output: its mean time per output token (one
+        sample a request: per-event gaps are chunking noise) and its output length."""
+        e = t.engine
+        if (e is not None and t.first_token_at is not None and output_tokens > 1
+                and last_token_at > t.first_token_at):
+            e.model.observe_interval(e.decode + 1,
+                                     (last_token_at - t.first_token_at) / (output_tokens - 1))
         if t.output_keys:
             self.outputs.learn(t.output_keys, t.predicted_output, output_tokens)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 TTFT_FORGET = 0.98  # ~50 samples of memory
 DRIFT_EWMA = 0.2
 DRIFT_LIMIT = 0.25  # a mean signed error this large: the engine changed, forget the past
+DRIFT_MIN_SAMPLES = 16  # samples after a reset before drift is judged again
 TPOT_FORGET = 0.995
 HIT_EWMA = 0.2
 MIN_TTFT_S = 0.001
@@ -99,10 +100,13 @@ class PerfModel:
     drift_resets: int = 0
     drift_limit: float = DRIFT_LIMIT  # telemetry.drift_threshold; 0: never reset
     _hits: tuple[float, float] | None = None  # last scraped (queries, hits)
+    _since_reset: int = DRIFT_MIN_SAMPLES  # (the seeds may be judged at once)
 
     def __post_init__(self) -> None:
+        # Wide priors (a step of 1 s, 10 s per 1000 tokens are within one deviation): the
+        # seeds are guesses, and a slow engine must be learned from its first few samples.
         self.ttft = Rls([self.overhead_ms / 1000, 1000 / self.prefill_tps, 0.0],
-                        [0.01, 1.0, 0.1], TTFT_FORGET)
+                        [1.0, 100.0, 1.0], TTFT_FORGET)
         self.tpot = Rls([self.tpot_ms / 1000, 0.0], [1.0, 1.0], TPOT_FORGET)
 
     # -- predictions -------------------------------------------------------------------
@@ -134,12 +138,15 @@ class PerfModel:
         self.samples += 1
         err = (seconds - predicted) / seconds
         self.drift += DRIFT_EWMA * (err - self.drift)
-        if self.drift_limit and abs(self.drift) > self.drift_limit:
+        self._since_reset += 1
+        if (self.drift_limit and abs(self.drift) > self.drift_limit
+                and self._since_reset >= DRIFT_MIN_SAMPLES):
             # Errors all one way: the engine is not what it was (slowed, sped up, or the
             # seeds were wrong). Reopen the model so the next samples re-learn it.
             self.ttft.reset()
             self.drift = 0.0
             self.drift_resets += 1
+            self._since_reset = 0
         return err
 
     def observe_interval(self, decodes: int, seconds: float) -> None:

@@ -28,6 +28,11 @@ class Candidate:
     ttft_s: float  # projected dispatch-to-first-token
     tpot_s: float  # projected time per output token with this request decoding too
 
+    @property
+    def ttft_margin_s(self) -> float:
+        """The projection with the engine's admission margin: what is promised."""
+        return self.ttft_s * self.engine.calibration
+
 
 def cached_fraction(e: EngineState, t: Ticket) -> float:
     """The share of the prompt the engine's prefix index says it has seen."""
@@ -79,9 +84,10 @@ def _kv_headroom(t: Ticket, cands: list[Candidate], cfg: SchedulerConfig) -> lis
 
 
 def _ttft(t: Ticket, cands: list[Candidate]) -> list[float]:
-    """Shortest projected TTFT scores 1; the others in proportion."""
-    best = min(c.ttft_s for c in cands)
-    return [best / c.ttft_s for c in cands]
+    """Shortest projected TTFT (with each engine's margin) scores 1; the others in
+    proportion. Admission judges the same numbers, so what it promised is where it goes."""
+    best = min(c.ttft_margin_s for c in cands)
+    return [best / c.ttft_margin_s for c in cands]
 
 
 def _decode_load(t: Ticket, cands: list[Candidate]) -> list[float]:

@@ -4,9 +4,9 @@ drifted.
 
 Why: with its seeds at their defaults (a user does not know the engine's internals)
 the performance model would admit the first requests against a guess. A profile is
-three requests of chosen prompt sizes and a short output, each with token IDs asked
+five requests of chosen prompt sizes and a short output, each with token IDs asked
 for; the measurements go into the same learning sink as live traffic, and the
-engine is placement-eligible once all three succeeded. Like a decode attempt, a
+engine is placement-eligible once all five succeeded. Like a decode attempt, a
 profile fails on an event without a valid token-ID list (missing, Boolean, malformed):
 an engine that cannot identify its output cannot be metered, so it stays ineligible
 and is retried with backoff.
@@ -28,7 +28,7 @@ from .meter import EngineOutputError, Meter
 from .sse import SSEError, SSEParser
 from .tokens import TokenIdError
 
-PROBE_PROMPTS = (64, 512, 1536)  # prompt tokens of the three probes
+PROBE_PROMPTS = (64, 256, 512, 1024, 1536)  # prompt tokens of the probes
 PROBE_OUTPUT = 8
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 _WORDS = ("profile probe engine token prefill decode measure narwhal ocean tusk").split()

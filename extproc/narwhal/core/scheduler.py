@@ -117,11 +117,11 @@ class Scheduler:
             alone = min(c.engine.model.ttft_s(uncached(c.engine, t), 0) for c in cands)
             if alone > t.budget_s:
                 return Refuse(errors.prompt_too_long(alone, t.budget_s))
-            calibrated = min(c.ttft_s * c.engine.calibration for c in cands)
+            calibrated = min(c.ttft_margin_s for c in cands)
             if calibrated > t.budget_s:
                 return Refuse(errors.projected_over_budget(calibrated, t.budget_s))
         if not self.queue:
-            engine = self._place(t, now, engines)
+            engine = self._place(t, now, engines, t.budget_s if predictive else None)
             if engine is not None:
                 return Dispatch(engine)
         if len(self.queue) >= self.config.admission.queue_limit:
@@ -131,9 +131,12 @@ class Scheduler:
         self.queued_tokens += t.tokens
         return Queued()
 
-    def _place(self, t: Ticket, now: float, engines: list[EngineState]) -> EngineState | None:
+    def _place(self, t: Ticket, now: float, engines: list[EngineState],
+               within_s: float | None = None) -> EngineState | None:
+        """Place by the pipeline; with ``within_s``, only where the promise holds (an engine
+        with a free slot but too slow waits in the queue for a better one)."""
         picked = self.pipeline.pick(t, [project(e, t) for e in engines])
-        if picked is None:
+        if picked is None or (within_s is not None and picked.ttft_margin_s > within_s):
             return None
         e = picked.engine
         e.prefill += 1
@@ -197,8 +200,10 @@ class Scheduler:
         e.prefill_work = max(0.0, e.prefill_work - t.work)
         self.learning.first_token(t, now)
 
-    def release(self, t: Ticket, output_tokens: int | None = None) -> None:
-        """The request ended; ``output_tokens`` when it completed with identified output."""
+    def release(self, t: Ticket, output_tokens: int | None = None,
+                last_token_at: float = 0.0) -> None:
+        """The request ended; ``output_tokens`` when it completed with identified output,
+        and when its last token came."""
         if t.done:
             return
         t.done = True
@@ -213,7 +218,7 @@ class Scheduler:
             e.decode -= 1
         e.decode_backlog = max(0, e.decode_backlog - t.predicted_output)
         if output_tokens is not None:
-            self.learning.completed(t, output_tokens)
+            self.learning.completed(t, output_tokens, last_token_at)
         if e.retired and e.in_flight == 0:
             self.pool.sweep()
 
