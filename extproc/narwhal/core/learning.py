@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .scheduler import Ticket
 
 ERROR_WINDOW = 2048  # prediction errors kept for /status
-CALIBRATION_QUANTILE = 0.95
+CALIBRATION_QUANTILE = 0.99  # the promise is kept for 99% of admitted requests
 CALIBRATION_MAX = 10.0
 
 
@@ -56,7 +56,7 @@ class Learning:
             # that requests admitted close to the budget still meet it when the model is a
             # little optimistic about that engine.
             e.ratios.append(measured / t.predicted_ttft_s)
-            if len(e.ratios) % 8 == 0 or len(e.ratios) == e.ratios.maxlen:
+            if len(e.ratios) % 4 == 0 or len(e.ratios) == e.ratios.maxlen:
                 xs = sorted(e.ratios)
                 q = xs[min(len(xs) - 1, int(CALIBRATION_QUANTILE * len(xs)))]
                 e.calibration = min(CALIBRATION_MAX, max(1.0, q))

@@ -121,7 +121,7 @@ class Scheduler:
             if calibrated > t.budget_s:
                 return Refuse(errors.projected_over_budget(calibrated, t.budget_s))
         if not self.queue:
-            engine = self._place(t, now, engines, t.budget_s if predictive else None)
+            engine = self._place(t, now, engines)
             if engine is not None:
                 return Dispatch(engine)
         if len(self.queue) >= self.config.admission.queue_limit:
@@ -131,12 +131,9 @@ class Scheduler:
         self.queued_tokens += t.tokens
         return Queued()
 
-    def _place(self, t: Ticket, now: float, engines: list[EngineState],
-               within_s: float | None = None) -> EngineState | None:
-        """Place by the pipeline; with ``within_s``, only where the promise holds (an engine
-        with a free slot but too slow waits in the queue for a better one)."""
+    def _place(self, t: Ticket, now: float, engines: list[EngineState]) -> EngineState | None:
         picked = self.pipeline.pick(t, [project(e, t) for e in engines])
-        if picked is None or (within_s is not None and picked.ttft_margin_s > within_s):
+        if picked is None:
             return None
         e = picked.engine
         e.prefill += 1
