@@ -36,7 +36,8 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.datapath
 
 bench-scheduling: $(STAMP)
-	$(BIN)/python -m bench.scheduling
+	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/python -m bench.scheduling --drift --plot docs/bench-scheduling.png
 
 clean:
 	rm -rf $(VENV) .venv-vllm .tools .pytest_cache .ruff_cache

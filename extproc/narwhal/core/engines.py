@@ -34,7 +34,7 @@ class EngineState:
     decode_backlog: int = 0
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))
     predicted_hit_rate: float = 0.0  # recent share of dispatched prompts found in ``prefix``
-    # Admission margin for this engine: the p95 of recent measured/predicted TTFT ratios
+    # Admission margin for this engine: the p99 of recent measured/predicted TTFT ratios
     # (learning.py). Per engine: one engine's model error must not widen every margin.
     calibration: float = 1.0
     ratios: deque[float] = field(default_factory=lambda: deque(maxlen=256))

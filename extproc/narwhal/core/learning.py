@@ -5,7 +5,7 @@ change.
 * decode correction: the engine's TTFT and TPOT models (``perf.py``) learn from each;
 * drift scoring: when an engine's TTFT errors run one way its model is reopened and,
   with profiling on, the engine is measured again before it takes new work;
-* admission calibration: the p95 of recent measured/predicted TTFT ratios;
+* admission calibration per engine: the p99 of its recent measured/predicted TTFT ratios;
 * output-length learning (``outputs.py``).
 """
 
