@@ -141,13 +141,16 @@ async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: in
     return result
 
 
+CLIENT_TIMEOUT_S = 120.0  # a client gives up (dilated seconds); bounds each cell's drain
+
+
 async def drive(url: str, rate: float, duration: float, seed: int,
                 at: tuple[float, object] | None = None) -> list[Result]:
     """Poisson arrivals at ``rate`` for ``duration`` s; ``at`` = (second, coroutine fn)
     runs an action (the drift) part-way."""
     rng = random.Random(seed)
     work = Workload(random.Random(seed + 1))
-    timeout = aiohttp.ClientTimeout(total=600)
+    timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         tasks = []
