@@ -27,6 +27,8 @@ class Candidate:
     engine: EngineState
     ttft_s: float  # projected dispatch-to-first-token
     tpot_s: float  # projected time per output token with this request decoding too
+    work: float  # the request's own uncached prompt tokens on this engine
+    cached: float  # the share of its prompt the engine's prefix index has seen
 
     @property
     def ttft_margin_s(self) -> float:
@@ -41,18 +43,18 @@ def cached_fraction(e: EngineState, t: Ticket) -> float:
     return min(1.0, e.prefix.match(t.blocks) * BLOCK_BYTES / t.prompt_bytes)
 
 
-def uncached(e: EngineState, t: Ticket) -> float:
-    """Prompt tokens the engine is expected to compute: by its prefix index, or (with the
-    index off, or a prompt it cannot cut) by the engine's own recent hit rate."""
-    if t.blocks and e.prefix.capacity:
-        return t.tokens * (1.0 - cached_fraction(e, t))
-    return e.model.uncached(t.tokens)
-
-
 def project(e: EngineState, t: Ticket, extra_work: float = 0.0) -> Candidate:
+    """The engine's projections for the request. Its own prefill is what the engine is
+    expected to compute: by its prefix index, or (with the index off, or a prompt it
+    cannot cut) by the engine's own recent hit rate. The index is matched once here."""
     m = e.model
-    return Candidate(e, m.ttft_s(e.prefill_work + uncached(e, t) + extra_work, e.decode),
-                     m.tpot_s(e.decode + 1))
+    if t.blocks and e.prefix.capacity:
+        cached = cached_fraction(e, t)
+        work = t.tokens * (1.0 - cached)
+    else:
+        cached, work = 0.0, m.uncached(t.tokens)
+    return Candidate(e, m.ttft_s(e.prefill_work + work + extra_work, e.decode),
+                     m.tpot_s(e.decode + 1), work, cached)
 
 
 Filter = Callable[["Ticket", list[Candidate], "SchedulerConfig"], list[Candidate]]

@@ -19,7 +19,7 @@ from .engines import EngineState
 from .errors import HttpError
 from .learning import Learning
 from .outputs import Key, OutputLengths, system_hash
-from .placement import Candidate, Pipeline, cached_fraction, project, uncached
+from .placement import Candidate, Pipeline, project
 from .pool import Pool
 from .prefix import prompt_blocks
 
@@ -96,8 +96,9 @@ class Scheduler:
         # Queued work (if any) goes to the engines in proportion to their speed.
         rates = [min(1e9, e.model.learned_prefill_tps) for e in engines]
         total = sum(rates)
-        cands = [project(e, t, self.queued_tokens * r / total)
-                 for e, r in zip(engines, rates, strict=True)]
+        projections = [project(e, t, self.queued_tokens * r / total)
+                       for e, r in zip(engines, rates, strict=True)]
+        cands = projections
         predictive = self.config.admission.mode == "predictive"
         if predictive and "kv-headroom" in self.config.scheduler.filters:
             room = [c for c in cands
@@ -114,14 +115,14 @@ class Scheduler:
         projected = min(c.ttft_s for c in cands)
         t.predicted_ttft_s = projected
         if predictive:
-            alone = min(c.engine.model.ttft_s(uncached(c.engine, t), 0) for c in cands)
+            alone = min(c.engine.model.ttft_s(c.work, 0) for c in cands)
             if alone > t.budget_s:
                 return Refuse(errors.prompt_too_long(alone, t.budget_s))
             calibrated = min(c.ttft_margin_s for c in cands)
             if calibrated > t.budget_s:
                 return Refuse(errors.projected_over_budget(calibrated, t.budget_s))
-        if not self.queue:
-            engine = self._place(t, now, engines)
+        if not self.queue:  # then nothing is queued: the projections are placement's too
+            engine = self._place(t, now, projections)
             if engine is not None:
                 return Dispatch(engine)
         if len(self.queue) >= self.config.admission.queue_limit:
@@ -131,8 +132,8 @@ class Scheduler:
         self.queued_tokens += t.tokens
         return Queued()
 
-    def _place(self, t: Ticket, now: float, engines: list[EngineState]) -> EngineState | None:
-        picked = self.pipeline.pick(t, [project(e, t) for e in engines])
+    def _place(self, t: Ticket, now: float, projections: list[Candidate]) -> EngineState | None:
+        picked = self.pipeline.pick(t, projections)
         if picked is None:
             return None
         e = picked.engine
@@ -142,9 +143,9 @@ class Scheduler:
         t.dispatched_at = now
         if t.predicted_ttft_s is not None:  # the projection of the engine it got
             t.predicted_ttft_s = picked.ttft_s + (now - t.arrival)
-        t.work = uncached(e, t)
+        t.work = picked.work
         if t.blocks:
-            e.predicted_hit_rate += 0.05 * (cached_fraction(e, t) - e.predicted_hit_rate)
+            e.predicted_hit_rate += 0.05 * (picked.cached - e.predicted_hit_rate)
             e.prefix.insert(t.blocks)
         e.prefill_work += t.work
         e.decode_backlog += t.predicted_output
@@ -172,7 +173,7 @@ class Scheduler:
         engines = self.pool.serviceable(now)
         while self.queue:
             t = self._next_queued()
-            if self._place(t, now, engines) is None:
+            if self._place(t, now, [project(e, t) for e in engines]) is None:
                 break
             self.queue.remove(t)
             self.queued_tokens -= t.tokens
