@@ -41,6 +41,7 @@ import httpx
 import orjson
 
 from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, plain_envoy, wait_http
+from narwhal.server.telemetry import parse_vllm_metrics
 
 MODEL = "narwhal-sim"
 ENGINES = (("h100", "h100-llama3-8b"), ("a100", "a100-llama3-8b"), ("l4", "l4-llama3-8b"))
@@ -262,10 +263,9 @@ def idle(pool: Stack) -> None:
     """Wait until every engine has nothing running or waiting (observable state)."""
     for s in pool.sims:
         while True:
-            text_ = httpx.get(f"http://127.0.0.1:{s.port}/metrics", timeout=10).text
-            busy = sum(float(line.rsplit(" ", 1)[1]) for line in text_.splitlines()
-                       if line.startswith(("vllm:num_requests_running{",
-                                           "vllm:num_requests_waiting{")))
+            values = parse_vllm_metrics(
+                httpx.get(f"http://127.0.0.1:{s.port}/metrics", timeout=10).text)
+            busy = values.get("running", 0.0) + values.get("waiting", 0.0)
             if not busy:
                 break
             time.sleep(0.2)
