@@ -84,7 +84,7 @@ def test_rendered_narwhal_config_loads(feature):
         assert cfg.engines and cfg.discovery is None
 
 
-@pytest.mark.parametrize("feature", ["default", "expose-extproc", "ha"])
+@pytest.mark.parametrize("feature", ["default", "expose-extproc", "ha", "discovery"])
 def test_rendered_envoy_config_validates(feature, tmp_path):
     (cm,) = by_kind(render(FEATURES[feature]), "ConfigMap")
     path = tmp_path / "envoy.yaml"
@@ -107,7 +107,19 @@ def test_chart_envoy_matches_the_repository_envoy():
         return next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "engines")
 
     assert filters(chart) == filters(repo)
-    assert engines(chart) == engines(repo)
+    # The same cluster but for its members: the chart fills in the configured pool.
+    pool_keys = ("type", "load_assignment", "dns_lookup_family")
+    assert ({k: v for k, v in engines(chart).items() if k not in pool_keys}
+            == {k: v for k, v in engines(repo).items() if k not in pool_keys})
+    members = engines(chart)["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [m["endpoint"]["address"]["socket_address"] for m in members] == [
+        {"address": "vllm-0.vllm", "port_value": 8000}]
+
+    def route(cfg):
+        return cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+            "typed_config"]["route_config"]["virtual_hosts"][0]["routes"][0]
+
+    assert route(chart) == route(repo)
 
     def hcm(cfg):
         return cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
@@ -184,11 +196,19 @@ def test_network_policy_keeps_the_admin_port_closed_by_default():
     assert not by_kind(render(FEATURES["no-network-policy"]), "NetworkPolicy")
 
 
-def test_ha_grants_lease_rbac():
+def test_ha_grants_lease_rbac_and_turns_leader_election_on():
     docs = render(FEATURES["ha"])
     (role,) = by_kind(docs, "Role")
     assert role["rules"][0]["resources"] == ["leases"]
     assert by_kind(docs, "RoleBinding")
+    (cm,) = by_kind(docs, "ConfigMap")
+    cfg = parse(yaml.safe_load(cm["data"]["narwhal.yaml"]))  # what Narwhal will load
+    le = cfg.router.leader_election
+    assert le.enabled and le.namespace == "llm" and le.lease_name == "narwhal"
+    assert le.renew_deadline_ms < le.lease_duration_ms
+    out = subprocess.run([helm(), "template", "narwhal", str(CHART), "--set", "ha.enabled=true",
+                          "--set", "replicaCount=1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "replicaCount >= 2" in out.stderr
 
 
 @pytest.mark.parametrize(("bad", "where"), [

@@ -91,3 +91,49 @@ def test_hooks_are_off_by_default(stack):
     resp = post(stack, {"test-epp-endpoint-selection": "127.0.0.1:1"})
     assert resp.status_code == 200
     assert "x-conformance-test-served-endpoint" not in resp.headers
+
+
+@pytest.fixture(scope="module")
+def failover() -> Iterator[Stack]:
+    # pick-fast is the engine placement prefers (pick-slow runs 5x slower); health checks
+    # are minutes apart so that Narwhal still believes in pick-fast after it is killed: the
+    # window between placement and connect that fallbacks exist for.
+    speed = ["--tpot-ms", "2", "--prefill-tps", "20000"]
+    stack = Stack(sims=[SimSpec("pick-fast", args=["--engine-name", "fast", *speed]),
+                        SimSpec("pick-slow", args=["--engine-name", "slow", *speed,
+                                                   "--time-scale", "5"])],
+                  config={"telemetry": {"health_interval_ms": 600_000,
+                                        "stale_after_ms": 3_600_000}},
+                  model=MODEL)
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_fallback_serves_when_the_chosen_engine_dies(failover):
+    before = {e["name"]: e for e in status(failover)["engines"]}
+    resp = post(failover, {})
+    assert resp.headers["x-sim-engine"] == "fast"  # the preferred engine, while it lives
+    failover.proc("pick-fast").stop()
+    n = 6
+    for i in range(n):
+        resp = post(failover, {}, stream=i % 2 == 1)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-sim-engine"] == "slow"
+        if i % 2:
+            assert resp.text.rstrip().endswith("data: [DONE]")
+        else:
+            assert resp.json()["usage"]["completion_tokens"] == 2
+    st = status(failover)
+    after = {e["name"]: e for e in st["engines"]}
+    fast, slow = after["pick-fast"], after["pick-slow"]
+    # Each was placed on the dead engine (Narwhal has not noticed it died) and accounted
+    # on the engine that served it once Envoy reported it.
+    assert fast["failovers"] - before["pick-fast"]["failovers"] == n
+    assert fast["in_flight"] == slow["in_flight"] == 0
+    assert fast["completed"] - before["pick-fast"]["completed"] == 1
+    assert slow["completed"] - before["pick-slow"]["completed"] == n
+    assert slow["output_tokens"] - before["pick-slow"]["output_tokens"] == 2 * n
+    assert st["requests"]["in_flight"] == 0

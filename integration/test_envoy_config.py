@@ -33,7 +33,7 @@ def test_rendered_test_config_validates(tmp_path):
 
 def test_validation_catches_a_broken_config(tmp_path):
     cfg = render_envoy(18080, 19901, 19002)
-    cfg["static_resources"]["clusters"][1]["original_dst_lb_config"]["bogus"] = 1
+    cfg["static_resources"]["clusters"][1]["load_balancing_policy"]["bogus"] = 1
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert validate(path).returncode != 0
@@ -48,5 +48,29 @@ def test_ext_proc_wiring():
     assert mode["request_body_mode"] == mode["response_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert mode["request_trailer_mode"] == mode["response_trailer_mode"] == "SEND"
     engines = cfg["static_resources"]["clusters"][1]
-    assert engines["type"] == "ORIGINAL_DST"
-    assert engines["original_dst_lb_config"]["http_header_name"] == "x-gateway-destination-endpoint"
+    policy = engines["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert policy["name"] == "envoy.load_balancing_policies.override_host"
+    sources = policy["typed_config"]["override_host_sources"]
+    assert sources[0] == {"header": "x-gateway-destination-endpoint"}
+    served = policy["typed_config"]["selected_host_key"]
+    assert served["path"] == [{"key": "x-gateway-destination-endpoint-served"}]
+    assert "envoy.lb" in ext["metadata_options"]["forwarding_namespaces"]["untyped"]
+
+
+@pytest.mark.parametrize("endpoints,dns,kind", [
+    (["127.0.0.1:8001", "[::1]:8002"], None, "STATIC"),
+    (["vllm-0.vllm:8000"], None, "STRICT_DNS"),
+    ([], ("vllm-headless.ns.svc", 8000), "STRICT_DNS")])
+def test_engine_pool_renders_and_validates(endpoints, dns, kind, tmp_path):
+    cfg = render_envoy(18080, 19901, 19002, engines=endpoints, dns=dns)
+    engines = cfg["static_resources"]["clusters"][1]
+    assert engines["type"] == kind
+    hosts = [(e["endpoint"]["address"]["socket_address"]["address"],
+              e["endpoint"]["address"]["socket_address"]["port_value"])
+             for e in engines["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert hosts == ([dns] if dns else [("127.0.0.1", 8001), ("::1", 8002)] if kind == "STATIC"
+                     else [("vllm-0.vllm", 8000)])
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = validate(path)
+    assert result.returncode == 0, result.stdout + result.stderr

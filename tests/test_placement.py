@@ -75,8 +75,8 @@ def test_passthrough_uses_the_pipeline():
     r = router()
     fast, slow = r.engines
     fast.prefill_work = 100_000  # 25 s of prefill queued on fast
-    assert r.scheduler.place_passthrough(100.0, None) is slow
-    assert r.scheduler.place_passthrough(100.0, frozenset({fast.endpoint})) is fast
+    assert r.scheduler.place_passthrough(100.0, None) == [slow, fast]  # chosen, fallback
+    assert r.scheduler.place_passthrough(100.0, frozenset({fast.endpoint})) == [fast]
 
 
 def test_output_lengths_learn_per_application_and_back_off():

@@ -293,3 +293,47 @@ def test_discovery_reconcile_adds_retires_and_drains():
     s.release(t)
     assert busy not in router.engines  # dropped once drained
     assert keep not in [e.endpoint.split(":")[0] for e in router.engines]
+
+
+def test_destination_names_ranked_fallbacks_and_the_served_engine_takes_the_request():
+    router, clock, _ = make_router(engines=[
+        {"name": "fast", "url": "http://127.0.0.1:1", "prefill_tps": 4000},
+        {"name": "mid", "url": "http://127.0.0.1:2", "prefill_tps": 2000},
+        {"name": "slow", "url": "http://127.0.0.1:3", "prefill_tps": 1000}])
+    for e in router.engines:
+        e.healthy = e.checked = e.profiled = True
+        e.telemetry_at = clock.t
+    fast, mid, slow = router.engines
+    ex, out = start(router, 200)
+    headers = out[0]
+    assert isinstance(headers, Headers)
+    dest = dict(headers.set)["x-gateway-destination-endpoint"]
+    assert dest == headers.destination == "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"
+    work, backlog = fast.prefill_work, fast.decode_backlog
+    assert fast.prefill == 1 and fast.dispatched == 1 and work > 0
+    # Envoy could not connect to fast and reports that mid served.
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False,
+                        served="127.0.0.1:2")
+    assert ex.engine is mid and ex.ticket.engine is mid and ex.ticket.failover
+    assert (fast.prefill, fast.dispatched, fast.failovers, fast.prefill_work) == (0, 0, 1, 0)
+    assert (mid.prefill, mid.dispatched, mid.prefill_work, mid.decode_backlog) == (
+        1, 1, work, backlog)
+    samples = mid.model.samples
+    router.scheduler.first_token(ex.ticket, clock.t + 0.5)
+    assert mid.model.samples == samples  # a failed-over TTFT teaches neither engine
+    router.scheduler.release(ex.ticket)
+    assert fast.in_flight == mid.in_flight == 0
+
+
+def test_served_by_the_chosen_engine_or_an_unknown_one_moves_nothing():
+    router, clock, _ = make_router(scheduler={"fallbacks": 0})
+    fast, slow = router.engines
+    ex, out = start(router, 200)
+    assert dict(out[0].set)["x-gateway-destination-endpoint"] == "127.0.0.1:1"
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False,
+                        served="127.0.0.1:1")
+    assert ex.engine is fast and fast.failovers == 0
+    t = ticket(router, 10)
+    router.scheduler.admit(t, clock.t)
+    placed = t.engine
+    assert router.scheduler.served_by(t, "10.9.9.9:80") is None and t.engine is placed

@@ -67,6 +67,10 @@ class Scheduler:
     # An engine whose scraped KV-cache usage is at least this is saturated: new requests
     # would wait inside it for blocks, which no projection sees (kv-headroom filter).
     kv_usage_limit: float = 0.95
+    # Ranked fallback engines sent after the chosen one (x-gateway-destination-endpoint
+    # "ip:port,ip:port"): Envoy retries a connect failure or a reset before response
+    # headers on the next; 0: the chosen engine only.
+    fallbacks: int = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +85,7 @@ class EngineConfig:
 
     @property
     def endpoint(self) -> str:
-        """The ``ip:port`` Envoy's ORIGINAL_DST cluster connects to (``[v6]:port``)."""
+        """The ``ip:port`` Envoy's engines cluster knows the engine by (``[v6]:port``)."""
         parts = urlsplit(self.url)
         host = parts.hostname or ""
         return f"[{host}]:{parts.port or 80}" if ":" in host else f"{host}:{parts.port or 80}"
@@ -102,10 +106,28 @@ class Discovery:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaderElection:
+    """Active/standby through a coordination.k8s.io/v1 Lease (core/leadership.py): only
+    the holder admits; one that cannot renew within renew_deadline_ms is fenced."""
+
+    enabled: bool = False
+    lease_name: str = "narwhal"
+    namespace: str = "default"
+    lease_duration_ms: int = 15_000
+    renew_deadline_ms: int = 10_000
+    retry_period_ms: int = 2_000
+    # Unique per process (default: host name + a random suffix, as client-go does).
+    identity: str = ""
+    # The API server's URL; empty: in-cluster service account, else $KUBECONFIG.
+    api_server: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Router:
     role: str = "active"
     # The Inference Extension conformance suite's test-picker hooks (off in production).
     conformance_hooks: bool = False
+    leader_election: LeaderElection = field(default_factory=LeaderElection)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +193,8 @@ POSITIVE = {
     "scheduler.max_decode_per_engine", "telemetry.health_interval_ms",
     "telemetry.health_timeout_ms", "telemetry.stale_after_ms",
     "telemetry.unhealthy_after_timeouts", "telemetry.profile_timeout_ms", "engines.prefill_tps",
+    "router.leader_election.lease_duration_ms", "router.leader_election.renew_deadline_ms",
+    "router.leader_election.retry_period_ms",
     "engines.tpot_ms", "sizing.bytes_per_token", "engines.interval_ms",
 }
 PORTS = {"serving.extproc_port", "telemetry.admin_port", "engines.port"}
@@ -292,6 +316,14 @@ def parse(data: Any) -> Config:
     if adm.ttft_target_ms > adm.max_ttft_target_ms:
         raise ConfigError(f"admission.ttft_target_ms: {adm.ttft_target_ms} exceeds "
                           f"admission.max_ttft_target_ms ({adm.max_ttft_target_ms})")
+    le = kwargs["router"].leader_election
+    if not le.retry_period_ms < le.renew_deadline_ms < le.lease_duration_ms:
+        raise ConfigError("router.leader_election: needs retry_period_ms < renew_deadline_ms "
+                          f"< lease_duration_ms, got {le.retry_period_ms}, "
+                          f"{le.renew_deadline_ms}, {le.lease_duration_ms}")
+    if le.enabled and kwargs["router"].role != "active":
+        raise ConfigError("router.role: the lease decides the role when "
+                          "router.leader_election.enabled; leave role unset")
     sched = kwargs["scheduler"]
     from .core.placement import check_profile  # the registry lives with the plugins
 

@@ -8,6 +8,7 @@ same way, from the Envoy configuration that ships inside the package (``envoy.ya
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import shutil
 import signal
 import socket
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from .config import parse
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # a source checkout's root (tests, benchmarks)
 ENVOY_CONFIG = Path(__file__).with_name("envoy.yaml")  # package data: works installed too
@@ -54,15 +57,56 @@ def _set_ports(cfg: dict[str, Any], port: int, admin_port: int) -> None:
     cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = port
 
 
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def engine_pool(narwhal_config: dict[str, Any]) -> tuple[list[str], tuple[str, int] | None]:
+    """Envoy's engines cluster must hold every engine Narwhal may name: the configured
+    ``ip:port`` endpoints, or the discovery DNS name and port."""
+    cfg = parse(narwhal_config)
+    if cfg.discovery is not None:
+        return [], (cfg.discovery.name, cfg.discovery.port)
+    return [e.endpoint for e in cfg.engines], None
+
+
+def set_engine_pool(cfg: dict[str, Any], endpoints: list[str],
+                    dns: tuple[str, int] | None = None) -> None:
+    """Fill the engines cluster: STATIC addresses, or STRICT_DNS (every address a name
+    resolves to: a headless Service, or engines configured by host name)."""
+    cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "engines")
+    hosts = [dns] if dns is not None else [_split_endpoint(e) for e in endpoints]
+    named = any(not _is_ip(h) for h, _ in hosts)
+    cluster["type"] = "STRICT_DNS" if named else "STATIC"
+    if named:  # every address, as Narwhal's discovery sees them (not one family only)
+        cluster["dns_lookup_family"] = "ALL"
+    cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
+        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}}
+        for h, p in hosts]}]
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def render_envoy(port: int, admin_port: int, extproc_port: int,
-                 source: Path = ENVOY_CONFIG) -> dict[str, Any]:
-    """The shipped Envoy config with its three ports replaced."""
+                 source: Path = ENVOY_CONFIG, *, engines: list[str] | None = None,
+                 dns: tuple[str, int] | None = None) -> dict[str, Any]:
+    """The shipped Envoy config with its three ports replaced and, when given, its
+    engines cluster holding ``engines`` (``ip:port``) or the ``dns`` name."""
     cfg = yaml.safe_load(source.read_text())
     _set_ports(cfg, port, admin_port)
     for cluster in cfg["static_resources"]["clusters"]:
         if cluster["name"] == "narwhal":
             ep = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
             ep["address"]["socket_address"]["port_value"] = extproc_port
+    if engines or dns:
+        set_engine_pool(cfg, engines or [], dns)
     return cfg
 
 
@@ -226,7 +270,9 @@ class Stack(StackURLs):
             wait_http(f"{self.admin_url}/ready" if expect_ready else f"{self.admin_url}/live",
                       timeout, narwhal.popen)
             envoy_path = self.workdir / "envoy.yaml"
-            envoy_cfg = render_envoy(self.port, self.envoy_admin_port, self.extproc_port)
+            endpoints, dns = engine_pool(self.config_dict())
+            envoy_cfg = render_envoy(self.port, self.envoy_admin_port, self.extproc_port,
+                                     engines=endpoints, dns=dns)
             if self.envoy_patch is not None:
                 self.envoy_patch(envoy_cfg)
             envoy_path.write_text(yaml.safe_dump(envoy_cfg))

@@ -102,7 +102,8 @@ class ContainerStack(StackURLs):
                   {work / "narwhal.yaml": "/etc/narwhal/narwhal.yaml"})
         wait_http(f"{self.admin_url}/ready", 60)
         (work / "envoy.yaml").write_text(yaml.safe_dump(
-            render_envoy(self.port, self.envoy_admin_port, self.extproc_port)))
+            render_envoy(self.port, self.envoy_admin_port, self.extproc_port,
+                         engines=[f"127.0.0.1:{sim.port}"])))
         self._run(envoy, ["-c", "/etc/envoy/custom.yaml", "--disable-hot-restart",
                           "--base-id", str(self.port), "--log-level", "warn"],
                   {work / "envoy.yaml": "/etc/envoy/custom.yaml"})

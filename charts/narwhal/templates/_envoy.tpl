@@ -60,7 +60,19 @@ static_resources:
               domains: ["*"]
               routes:
               - match: {prefix: "/"}
-                route: {cluster: engines, timeout: 0s, idle_timeout: {{ .Values.envoy.routeIdleTimeout }}}
+                route:
+                  cluster: engines
+                  timeout: 0s
+                  idle_timeout: {{ .Values.envoy.routeIdleTimeout }}
+                  # Narwhal names the chosen engine then ranked fallbacks; an engine that
+                  # refuses the connection or resets before answering costs the client
+                  # nothing: Envoy tries the next (the override-host policy below).
+                  retry_policy:
+                    retry_on: connect-failure,reset,refused-stream
+                    num_retries: 2
+                    retry_back_off: {base_interval: 0.01s, max_interval: 0.1s}
+                # A retry resends the body: keep all of it (Narwhal's max_request_bytes).
+                per_request_buffer_limit_bytes: 1048576
           http_filters:
           - name: envoy.filters.http.ext_proc
             typed_config:
@@ -68,9 +80,10 @@ static_resources:
               grpc_service:
                 envoy_grpc: {cluster_name: narwhal}
               failure_mode_allow: false
-              # A gateway's subset hint reaches Narwhal (endpoint-picker protocol).
+              # A gateway's subset hint reaches Narwhal (endpoint-picker protocol);
+              # envoy.lb carries the endpoint Envoy connected to back with the response.
               metadata_options:
-                forwarding_namespaces: {untyped: [envoy.lb.subset_hint]}
+                forwarding_namespaces: {untyped: [envoy.lb.subset_hint, envoy.lb]}
               message_timeout: 600s
               max_message_timeout: 600s
               processing_mode:
@@ -97,14 +110,45 @@ static_resources:
       endpoints:
       - lb_endpoints:
         - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: {{ .Values.ports.extproc }}}}}
+  # The engines Narwhal places on: Envoy connects to the first x-gateway-destination-endpoint
+  # entry that is a member, the next ones on retry, and reports which one served.
   - name: engines
-    type: ORIGINAL_DST
-    lb_policy: CLUSTER_PROVIDED
+    type: STRICT_DNS
+    dns_lookup_family: ALL  # every address, as Narwhal's discovery sees them
     connect_timeout: 2s
-    original_dst_lb_config:
-      use_http_header: true
-      http_header_name: x-gateway-destination-endpoint
+    load_balancing_policy:
+      policies:
+      - typed_extension_config:
+          name: envoy.load_balancing_policies.override_host
+          typed_config:
+            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            override_host_sources:
+            - header: x-gateway-destination-endpoint
+            - metadata: {key: envoy.lb, path: [{key: x-gateway-destination-endpoint}]}
+            selected_host_key: {key: envoy.lb, path: [{key: x-gateway-destination-endpoint-served}]}
+            # Only when no named endpoint is a member of the pool (Narwhal then accounts
+            # the request on whichever engine served it).
+            fallback_policy:
+              policies:
+              - typed_extension_config:
+                  name: envoy.load_balancing_policies.round_robin
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
+    load_assignment:
+      cluster_name: engines
+      endpoints:
+      - lb_endpoints:
+{{- if .Values.engines.discovery.enabled }}
+        - endpoint: {address: {socket_address: {address: {{ .Values.engines.discovery.service | quote }}, port_value: {{ .Values.engines.discovery.port }}}}}
+{{- else }}
+{{- range .Values.engines.static }}
+{{- $u := urlParse .url }}
+{{- $port := regexFind "[0-9]+$" (regexFind ":[0-9]+$" $u.host) | default "80" }}
+        - endpoint: {address: {socket_address: {address: {{ $u.hostname | quote }}, port_value: {{ $port }}}}}
+{{- end }}
+{{- end }}
     circuit_breakers:
       thresholds:
-      - {max_connections: 100000, max_pending_requests: 100000, max_requests: 100000}
+      - {max_connections: 100000, max_pending_requests: 100000, max_requests: 100000,
+         max_retries: 100000}
 {{- end -}}

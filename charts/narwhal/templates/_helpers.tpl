@@ -25,6 +25,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if include "narwhal.adminSecret" . -}}
 {{- $_ := set $telemetry "admin_token_file" (printf "/etc/narwhal-admin/%s" .Values.admin.tokenKey) -}}
 {{- end -}}
+{{- if .Values.ha.enabled -}}
+{{- if lt (int .Values.replicaCount) 2 -}}{{- fail "ha.enabled needs replicaCount >= 2 (one leader, at least one standby)" -}}{{- end -}}
+{{- $router := deepCopy ($c.router | default dict) -}}
+{{- $_ := unset $router "role" -}}
+{{- $_ := set $router "leader_election" (dict "enabled" true "lease_name" (default (include "narwhal.fullname" .) .Values.ha.leaseName) "namespace" .Release.Namespace "lease_duration_ms" (int .Values.ha.leaseDurationMs) "renew_deadline_ms" (int .Values.ha.renewDeadlineMs) "retry_period_ms" (int .Values.ha.retryPeriodMs)) -}}
+{{- $_ := set $c "router" $router -}}
+{{- end -}}
 {{- $_ := set $c "serving" $serving -}}
 {{- $_ := set $c "telemetry" $telemetry -}}
 {{- if .Values.engines.discovery.enabled -}}

@@ -42,6 +42,7 @@ class EngineState:
     output_tokens: int = 0
     measurement_failures: int = 0
     dispatched: int = 0
+    failovers: int = 0  # placed here, served by a fallback (this engine did not answer)
     endpoint: str = ""  # ``ip:port`` for Envoy, computed once
     # Profiling (profiling.py): eligible only once measured.
     profiled: bool = False

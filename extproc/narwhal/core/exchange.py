@@ -203,13 +203,14 @@ class Exchange:
         return allowed
 
     def _passthrough_headers(self, end_of_stream: bool) -> list[Action]:
-        engine = self.router.scheduler.place_passthrough(self.router.clock(), self.candidates)
-        if engine is None:
+        ranked = self.router.scheduler.place_passthrough(self.router.clock(), self.candidates)
+        if not ranked:
             return [Immediate(errors.backend_unavailable())]
         self.phase = Phase.UPSTREAM
         self.request_ended = end_of_stream
-        return [Headers(False, destination=engine.endpoint,
-                        set=[(DESTINATION_HEADER, engine.endpoint)], remove=self.strip)]
+        dest = ",".join(e.endpoint for e in ranked)
+        return [Headers(False, destination=dest, set=[(DESTINATION_HEADER, dest)],
+                        remove=self.strip)]
 
     def request_body(self, chunk: bytes, end_of_stream: bool) -> list[Action]:
         if self.request_ended:
@@ -240,9 +241,15 @@ class Exchange:
         self.ticket = Ticket(self, tokens, self.arrival, self.budget_s, self.deadline,
                              candidates=self.candidates, tpot_budget_s=self.tpot_budget_s)
         self.router.scheduler.annotate(self.ticket, req.chat, req.body, req.max_tokens)
+        lead = self.router.leadership
+        if lead is not None and not lead.leading(now):  # lost the lease since its headers
+            return self._refuse(errors.not_serving(lead.reason(now) or "fenced"))
         decision = self.router.scheduler.admit(self.ticket, now)
         if isinstance(decision, Refuse):
             return self._refuse(decision.error)
+        if lead is not None:  # the fencing token, on every admitted request's log line
+            log.info("admitted request_id=%s lease=%s holder=%s at=%.6f", self.request_id,
+                     lead.token, lead.identity, self.router.wall())
         if isinstance(decision, Queued):
             self.phase = Phase.QUEUED
             self._arm(min(self.deadline, now + self.router.config.admission.max_wait_ms / 1000))
@@ -276,9 +283,11 @@ class Exchange:
             self.assembler = Assembler(req.chat, req.return_token_ids)
         body = upstream_body(req, token_ids)
         self.phase = Phase.UPSTREAM
+        # The chosen engine first, then its ranked fallbacks (the endpoint-picker protocol).
+        dest = ",".join([engine.endpoint, *(e.endpoint for e in ticket.fallbacks)])
         return [
-            Headers(False, destination=engine.endpoint,
-                    set=[(DESTINATION_HEADER, engine.endpoint),
+            Headers(False, destination=dest,
+                    set=[(DESTINATION_HEADER, dest),
                          ("content-length", str(len(body)))],
                     remove=["accept-encoding", "transfer-encoding", *self.strip]),
             *_bodies(False, body),
@@ -295,9 +304,16 @@ class Exchange:
         return [*actions, Trailers(False)]
 
     # -- response --------------------------------------------------------------
-    def response_headers(self, headers: dict[str, str], end_of_stream: bool) -> list[Action]:
+    def response_headers(self, headers: dict[str, str], end_of_stream: bool,
+                         served: str | None = None) -> list[Action]:
+        """``served``: the endpoint Envoy reports it connected to (``envoy.lb`` metadata);
+        when a fallback served, the request is accounted there from now on."""
         status = headers.get(":status", "0")
         self.status = _decimal(status, 999)
+        if served and self.ticket is not None:
+            moved = self.router.scheduler.served_by(self.ticket, served)
+            if moved is not None:
+                self.engine = moved
         if not self.completion:
             return [Headers(True)]
         if self.phase is not Phase.UPSTREAM:

@@ -38,6 +38,8 @@ class Learning:
     def first_token(self, t: Ticket, now: float) -> None:
         e = t.engine
         assert e is not None
+        if t.failover:  # its wait includes the failed attempt: no sample of this engine
+            return
         resets = e.model.drift_resets
         e.model.observe_ttft(t.work_ahead, t.decodes_at_dispatch, now - t.dispatched_at)
         # Drifted: measured again before it takes new work, unless it is the only engine

@@ -59,7 +59,7 @@ def project(e: EngineState, t: Ticket, extra_work: float = 0.0) -> Candidate:
 
 Filter = Callable[["Ticket", list[Candidate], "SchedulerConfig"], list[Candidate]]
 Scorer = Callable[["Ticket", list[Candidate]], list[float]]
-Picker = Callable[[list[Candidate], list[float]], Candidate | None]
+Picker = Callable[[list[Candidate], list[float]], list[Candidate]]
 
 
 def _subset(t: Ticket, cands: list[Candidate], cfg: SchedulerConfig) -> list[Candidate]:
@@ -102,15 +102,11 @@ def _kv_cache(t: Ticket, cands: list[Candidate]) -> list[float]:
     return [1.0 - min(1.0, max(0.0, c.engine.kv_cache_usage)) for c in cands]
 
 
-def _max_score(cands: list[Candidate], scores: list[float]) -> Candidate | None:
-    """Highest score; ties go to the engine with fewer decodes, then the first listed."""
-    best: Candidate | None = None
-    best_key: tuple[float, int] | None = None
-    for c, s in zip(cands, scores, strict=True):
-        key = (-s, c.engine.decode)
-        if best_key is None or key < best_key:
-            best, best_key = c, key
-    return best
+def _max_score(cands: list[Candidate], scores: list[float]) -> list[Candidate]:
+    """Highest score first; ties go to the engine with fewer decodes, then the first
+    listed. The ranking after the first is the request's fallback order."""
+    order = sorted(range(len(cands)), key=lambda i: (-scores[i], cands[i].engine.decode, i))
+    return [cands[i] for i in order]
 
 
 FILTERS: dict[str, Filter] = {"subset": _subset, "has-slot": _has_slot,
@@ -139,13 +135,18 @@ class Pipeline:
         self.scorers = [(SCORERS[n], w) for n, w in cfg.scorers.items() if w > 0]
         self.picker = PICKERS[cfg.picker]
 
-    def pick(self, t: Ticket, cands: list[Candidate]) -> Candidate | None:
+    def rank(self, t: Ticket, cands: list[Candidate]) -> list[Candidate]:
+        """The candidates that pass every filter, best first (empty: none may serve)."""
         for f in self.filters:
             cands = f(t, cands, self.cfg)
             if not cands:
-                return None
+                return []
         total = [0.0] * len(cands)
         for scorer, weight in self.scorers:
             for i, s in enumerate(scorer(t, cands)):
                 total[i] += weight * s
         return self.picker(cands, total)
+
+    def pick(self, t: Ticket, cands: list[Candidate]) -> Candidate | None:
+        ranked = self.rank(t, cands)
+        return ranked[0] if ranked else None

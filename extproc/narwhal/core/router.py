@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -10,6 +12,7 @@ from ..config import Config
 from .accounting import Accounting
 from .closes import CloseVerdicts
 from .engines import EngineState
+from .leadership import Leadership
 from .learning import Learning
 from .pool import Pool
 from .scheduler import Scheduler, Ticket
@@ -36,11 +39,18 @@ class NoTimers:
         return _NoTimer()
 
 
+def default_identity() -> str:
+    """A leader-election identity unique to this process: a restarted replica must not
+    inherit its predecessor's lease (client-go's hostname + random suffix)."""
+    return f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+
+
 class Router:
     def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic,
-                 timers: Timers | None = None) -> None:
+                 timers: Timers | None = None, wall: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
+        self.wall = wall  # only for what is logged for other processes to compare
         self.timers: Timers = timers or NoTimers()
         self.pool = Pool(config)
         self.learning = Learning(self.pool)
@@ -54,6 +64,12 @@ class Router:
         self.heartbeat: float | None = None  # when the last telemetry round completed
         self.listeners: list[Callable[[], None]] = []
         self.closes = CloseVerdicts(config.telemetry.close_verdict_ms / 1000, self.timers)
+        le = config.router.leader_election
+        # None: the role comes from config alone. Else the Lease decides, per request.
+        self.leadership: Leadership | None = (
+            Leadership(le.identity or default_identity(), le.lease_duration_ms / 1000,
+                       le.renew_deadline_ms / 1000, le.retry_period_ms / 1000)
+            if le.enabled else None)
 
     @property
     def engines(self) -> list[EngineState]:
@@ -75,6 +91,10 @@ class Router:
             return "standby"
         if self.fenced:
             return "fenced"
+        if self.leadership is not None:
+            reason = self.leadership.reason(self.clock())
+            if reason is not None:
+                return reason
         if not self.started:
             return "starting"
         if self.pool.all_in_maintenance():

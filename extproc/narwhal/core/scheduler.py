@@ -49,6 +49,9 @@ class Ticket:
     output_keys: list[Key] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)  # prompt block hashes (prefix index)
     prompt_bytes: int = 0
+    # Ranked engines Envoy may retry on if ``engine`` does not answer (endpoint picker).
+    fallbacks: tuple[EngineState, ...] = ()
+    failover: bool = False  # served by a fallback: its TTFT is no sample of either engine
 
 
 class Decision:
@@ -133,9 +136,11 @@ class Scheduler:
         return Queued()
 
     def _place(self, t: Ticket, now: float, projections: list[Candidate]) -> EngineState | None:
-        picked = self.pipeline.pick(t, projections)
-        if picked is None:
+        ranked = self.pipeline.rank(t, projections)
+        if not ranked:
             return None
+        picked = ranked[0]
+        t.fallbacks = tuple(c.engine for c in ranked[1:1 + self.config.scheduler.fallbacks])
         e = picked.engine
         e.prefill += 1
         e.dispatched += 1
@@ -154,13 +159,43 @@ class Scheduler:
         return e
 
     def place_passthrough(self, now: float, candidates: frozenset[str] | None
-                          ) -> EngineState | None:
-        """A request Narwhal does not meter (``GET /v1/models``): the same pipeline,
-        for an empty prompt."""
+                          ) -> list[EngineState]:
+        """A request Narwhal does not meter (``GET /v1/models``): the same pipeline, for
+        an empty prompt. The chosen engine and its fallbacks; empty: none may serve."""
         t = Ticket(None, 0, now, 0.0, now, candidates=candidates)
-        picked = self.pipeline.pick(t, [project(e, t) for e in
+        ranked = self.pipeline.rank(t, [project(e, t) for e in
                                         self.pool.serviceable(now, candidates)])
-        return None if picked is None else picked.engine
+        return [c.engine for c in ranked[:1 + self.config.scheduler.fallbacks]]
+
+    def served_by(self, t: Ticket, endpoint: str) -> EngineState | None:
+        """Envoy reports the engine that answered (the endpoint picker's served endpoint).
+        When a fallback answered because the chosen engine did not, move the request's
+        slot, work and predicted decode there: the accounting follows the engine that
+        serves. Returns the engine it moved to, or None (no move)."""
+        old = t.engine
+        if old is None or t.done or t.first_token_at is not None or endpoint == old.endpoint:
+            return None
+        new = next((e for e in t.fallbacks if e.endpoint == endpoint), None)
+        if new is None:  # Envoy's own fallback policy: any engine of the pool
+            new = next((e for e in self.pool.engines if e.endpoint == endpoint), None)
+        if new is None:
+            return None
+        old.prefill -= 1
+        old.prefill_work = max(0.0, old.prefill_work - t.work)
+        old.decode_backlog = max(0, old.decode_backlog - t.predicted_output)
+        old.dispatched -= 1
+        old.failovers += 1
+        new.prefill += 1
+        new.prefill_work += t.work
+        new.decode_backlog += t.predicted_output
+        new.dispatched += 1
+        if t.blocks:
+            new.prefix.insert(t.blocks)
+        t.engine = new
+        t.failover = True
+        if old.retired and old.in_flight == 0:
+            self.pool.sweep()
+        return new
 
     def _next_queued(self) -> Ticket:
         return self.queue[0]  # FIFO

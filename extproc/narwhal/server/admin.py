@@ -131,7 +131,8 @@ def admin_app(router: Router, token: str | None = None) -> web.Application:
                          "calibration": round(e.calibration, 4),
                          "drift": round(e.model.drift, 4),
                          "drift_resets": e.model.drift_resets,
-                         "dispatched": e.dispatched, "completed": e.completed,
+                         "dispatched": e.dispatched, "failovers": e.failovers,
+                         "completed": e.completed,
                          "output_tokens": e.output_tokens,
                          "measurement_failures": e.measurement_failures,
                          "token_accounting": e.token_accounting}

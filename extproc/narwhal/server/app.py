@@ -120,6 +120,12 @@ async def serve(config: Config) -> None:
     else:
         tasks = []
     tasks.append(asyncio.ensure_future(telemetry_loop(router)))
+    lease = None
+    if router.leadership is not None:
+        from .leader import LeaseLoop  # lightkube only where leader election is on
+
+        lease = LeaseLoop(router)
+        tasks.append(asyncio.ensure_future(lease.run()))
     log.info("narwhal serving ext_proc (%s) on %s:%d, admin on %s:%d", config.serving.transport,
              config.serving.host, config.serving.extproc_port, config.telemetry.admin_host,
              config.telemetry.admin_port)
@@ -128,9 +134,13 @@ async def serve(config: Config) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    # Drain: refuse new work, let in-flight streams finish, then exit.
+    # Drain: refuse new work, hand the lease over (a standby takes it at once instead of
+    # after expiry), let in-flight streams finish, then exit.
     router.draining = True
     router.changed()
+    if lease is not None:
+        tasks[-1].cancel()
+        await lease.release()
     deadline = loop.time() + DRAIN_TIMEOUT_S
     while router.accounting.in_flight > 0 and loop.time() < deadline:
         await asyncio.sleep(0.05)

@@ -64,6 +64,21 @@ def _subset_hint(msg: pb.ProcessingRequest) -> list[str] | None:
     return []
 
 
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+
+
+def _served(msg: pb.ProcessingRequest) -> str | None:
+    """The endpoint Envoy connected to, as its override-host load balancer reports it
+    (``envoy.lb`` / ``x-gateway-destination-endpoint-served``), if forwarded."""
+    if not msg.HasField("metadata_context"):
+        return None
+    ns = msg.metadata_context.filter_metadata.get(LB_NAMESPACE)
+    if ns is None or SERVED_KEY not in ns.fields:
+        return None
+    value = ns.fields[SERVED_KEY].string_value
+    return value[:256] or None
+
+
 def _mutation(set_: list[tuple[str, str]], remove: list[str]) -> pb.HeaderMutation:
     return pb.HeaderMutation(
         set_headers=[base_pb2.HeaderValueOption(
@@ -217,7 +232,7 @@ def _dispatch(ex: Exchange, msg: pb.ProcessingRequest) -> list[Action]:
         return ex.request_headers(_headers(h), h.end_of_stream, _subset_hint(msg))
     if kind == "response_headers":
         h = msg.response_headers
-        return ex.response_headers(_headers(h), h.end_of_stream)
+        return ex.response_headers(_headers(h), h.end_of_stream, _served(msg))
     if kind == "request_trailers":
         return ex.request_trailers()
     if kind == "response_trailers":
