@@ -17,8 +17,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, wait_http
 
@@ -140,6 +142,14 @@ def test_exactly_one_of_three_racing_replicas_leads(cluster):
     resp = httpx.post(f"{cluster.replicas[standby].url}/v1/chat/completions", json=BODY,
                       timeout=10)
     assert resp.status_code == 503 and "standby" in resp.json()["error"]["message"]
+    # A gateway's gRPC readiness check on the ext_proc port says the same.
+    for name, stack in cluster.replicas.items():
+        with grpc.insecure_channel(f"127.0.0.1:{stack.extproc_port}") as ch:
+            got = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="readiness"), timeout=5).status
+        want = health_pb2.HealthCheckResponse.SERVING if name == leader else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        assert got == want, name
 
 
 def test_a_frozen_leader_is_replaced_and_fenced_on_resume(cluster):
