@@ -131,6 +131,17 @@ class Router:
 
 
 @dataclass(frozen=True, slots=True)
+class Tracing:
+    """OpenTelemetry spans per completion request, sent over OTLP/gRPC (off by default)."""
+
+    enabled: bool = False
+    endpoint: str = "http://127.0.0.1:4317"  # an OTLP/gRPC collector
+    service_name: str = "narwhal"
+    # Share of new traces kept; a request whose caller sampled its trace is always kept.
+    sample_ratio: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class Telemetry:
     admin_host: str = "127.0.0.1"
     admin_port: int = 9090
@@ -156,6 +167,7 @@ class Telemetry:
     # How long a request that ended mid-response waits for Envoy's access log to say
     # whether the engine failed (failed) or the client left (cancelled); 0: no wait.
     close_verdict_ms: int = 1000
+    tracing: Tracing = field(default_factory=Tracing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +328,9 @@ def parse(data: Any) -> Config:
     if adm.ttft_target_ms > adm.max_ttft_target_ms:
         raise ConfigError(f"admission.ttft_target_ms: {adm.ttft_target_ms} exceeds "
                           f"admission.max_ttft_target_ms ({adm.max_ttft_target_ms})")
+    if kwargs["telemetry"].tracing.sample_ratio > 1:
+        raise ConfigError("telemetry.tracing.sample_ratio: must be between 0 and 1, got "
+                          f"{kwargs['telemetry'].tracing.sample_ratio}")
     le = kwargs["router"].leader_election
     if not le.retry_period_ms < le.renew_deadline_ms < le.lease_duration_ms:
         raise ConfigError("router.leader_election: needs retry_period_ms < renew_deadline_ms "

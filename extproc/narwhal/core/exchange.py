@@ -19,6 +19,7 @@ from .assembly import Assembler
 from .engines import EngineState
 from .errors import HttpError
 from .meter import EngineErrorEvent, EngineOutputError, Meter
+from .record import ExchangeRecord
 from .relay import DONE, Relay
 from .request import COMPLETION_PATHS, CompletionRequest, parse_request, upstream_body
 from .router import Router, TimerHandle
@@ -38,6 +39,7 @@ PREDICTED_HEADER = "x-narwhal-predicted-ttft-ms"
 # endpoints, and the served endpoint echoed back (router.conformance_hooks only).
 CONFORMANCE_SELECTION = "test-epp-endpoint-selection"
 CONFORMANCE_SERVED = "x-conformance-test-served-endpoint"
+TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, continued by tracing
 MAX_BODY_CHUNK = 62_000  # Envoy's streamed body mutations, as the Inference Extension sends them
 # Client paths that exist besides the completion routes, passed to an engine as they are.
 PASSTHROUGH = frozenset({("GET", "/v1/models")})
@@ -95,7 +97,8 @@ class Exchange:
                  "relay", "assembler", "parser", "status", "terminal", "sized", "upstream_error",
                  "request_ended", "request_bytes", "response_bytes", "held", "arrival",
                  "deadline", "budget_s", "tpot_budget_s", "ticket", "timer", "sink", "client_headers_sent",
-                 "last_token_at", "strip", "engine_seen", "request_id", "candidates")
+                 "last_token_at", "strip", "engine_seen", "request_id", "candidates",
+                 "decided_at", "ended_at", "error_code", "trace_headers", "recorded")
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -131,6 +134,11 @@ class Exchange:
         self.engine_seen = 0.0  # when the engine last sent response bytes
         self.request_id = ""  # Envoy's x-request-id: how its access log names this exchange
         self.candidates: frozenset[str] | None = None  # endpoints allowed (subset hint)
+        self.decided_at: float | None = None  # when admission answered
+        self.ended_at = 0.0
+        self.error_code: str | None = None
+        self.trace_headers: tuple[tuple[str, str], ...] = ()
+        self.recorded = False
 
     # -- request ---------------------------------------------------------------
     def request_headers(self, headers: dict[str, str], end_of_stream: bool,
@@ -157,6 +165,9 @@ class Exchange:
             return self._passthrough_headers(end_of_stream)
         self.completion = True
         self.request_id = headers.get("x-request-id", "")
+        if "traceparent" in headers:
+            self.trace_headers = tuple((k, headers[k][:512]) for k in TRACE_HEADERS
+                                       if k in headers)
         self.router.accounting.offer()
         if method != "POST":
             return self._refuse(errors.HttpError(405, f"{path} takes POST",
@@ -245,6 +256,7 @@ class Exchange:
         if lead is not None and not lead.leading(now):  # lost the lease since its headers
             return self._refuse(errors.not_serving(lead.reason(now) or "fenced"))
         decision = self.router.scheduler.admit(self.ticket, now)
+        self.decided_at = now
         if isinstance(decision, Refuse):
             return self._refuse(decision.error)
         if lead is not None:  # the fencing token, on every admitted request's log line
@@ -515,6 +527,9 @@ class Exchange:
 
     # -- endings ---------------------------------------------------------------
     def _refuse(self, err: HttpError) -> list[Action]:
+        self.error_code = str(err.code or err.type)
+        if not self.status:
+            self.status = err.status
         self._finish(err.terminal)
         return [Immediate(err)]
 
@@ -537,6 +552,7 @@ class Exchange:
         self.terminal = terminal
         self.phase = Phase.DONE
         router = self.router
+        self.ended_at = router.clock()
         if self.held:
             router.held -= 1
         if self.timer is not None:
@@ -625,6 +641,35 @@ class Exchange:
                 self.router.closes.closed(self.request_id, self._count)
             else:
                 self._finish(errors.CANCELLED)
+
+
+    def record(self) -> ExchangeRecord | None:
+        """The exchange's record, once, after it ended (None: not a completion request,
+        not over yet, or already taken)."""
+        if self.recorded or not self.completion or self.terminal is None:
+            return None
+        self.recorded = True
+        req, t, meter = self.request, self.ticket, self.meter
+        usage = meter.usage if meter is not None else None
+        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        return ExchangeRecord(
+            request_id=self.request_id,
+            chat=req.chat if req else self.path.endswith("chat/completions"),
+            model=str(req.body.get("model", "")) if req else "", stream=bool(req and req.stream),
+            max_tokens=req.max_tokens if req else None, terminal=self.terminal,
+            status=self.status, error_code=self.error_code, arrival=self.arrival,
+            decided_at=self.decided_at, queued=bool(t and self.decided_at is not None
+                                                    and t.dispatched_at > self.decided_at),
+            dispatched_at=t.dispatched_at if t and t.engine else None,
+            first_token_at=t.first_token_at if t else None, ended_at=self.ended_at,
+            engine=self.engine.name if self.engine else None,
+            endpoint=self.engine.endpoint if self.engine else None,
+            fallbacks=tuple(e.endpoint for e in t.fallbacks) if t else (),
+            failover=bool(t and t.failover),
+            predicted_ttft_s=t.predicted_ttft_s if t else None, budget_s=self.budget_s,
+            prompt_tokens=prompt if isinstance(prompt, int) else (t.tokens if t else None),
+            output_tokens=meter.output_tokens if meter is not None else None,
+            trace_headers=self.trace_headers)
 
 
 def _drop(actions: list[Action]) -> None:

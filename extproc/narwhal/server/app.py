@@ -120,6 +120,13 @@ async def serve(config: Config) -> None:
     else:
         tasks = []
     tasks.append(asyncio.ensure_future(telemetry_loop(router)))
+    tracer = None
+    if config.telemetry.tracing.enabled:
+        from .extproc import RECORDS
+        from .tracing import Tracer  # the OpenTelemetry SDK only where tracing is on
+
+        tracer = Tracer(config.telemetry.tracing)
+        RECORDS.append(tracer)
     lease = None
     if router.leadership is not None:
         from .leader import LeaseLoop  # lightkube only where leader election is on
@@ -151,6 +158,11 @@ async def serve(config: Config) -> None:
             await t
     await stop_grpc()
     await runner.cleanup()
+    if tracer is not None:  # flushes what is batched
+        from .extproc import RECORDS
+
+        RECORDS.remove(tracer)
+        tracer.shutdown()
 
 
 def run(config: Config) -> None:

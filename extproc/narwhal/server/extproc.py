@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from typing import Protocol
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -29,6 +30,7 @@ from ..core.exchange import (
     Immediate,
     Trailers,
 )
+from ..core.record import ExchangeRecord
 from ..core.router import Router
 from .grpc_server import INVALID_ARGUMENT, Stream
 
@@ -216,7 +218,28 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         return
         finally:
             task.cancel()
-            ex.close()
+            _closed(ex)
+
+
+class RecordSink(Protocol):
+    def record(self, r: ExchangeRecord | None) -> None: ...
+
+
+# Where finished exchanges' records go (tracing), when something wants them.
+RECORDS: list[RecordSink] = []
+
+
+def _closed(ex: Exchange) -> None:
+    """The ext_proc stream is over: close the exchange, hand its record on (once)."""
+    ex.close()
+    if RECORDS:
+        rec = ex.record()
+        if rec is not None:
+            for sink in RECORDS:
+                try:
+                    sink.record(rec)
+                except Exception:  # reporting must never harm serving
+                    log.exception("exchange record sink failed")
 
 
 def _dispatch(ex: Exchange, msg: pb.ProcessingRequest) -> list[Action]:
@@ -254,7 +277,7 @@ class ExtProcCall:
         try:
             msg = pb.ProcessingRequest.FromString(data)
         except Exception:  # upb raises its own DecodeError type
-            self.ex.close()
+            _closed(self.ex)
             self.stream.finish(INVALID_ARGUMENT, "undecodable ProcessingRequest")
             return
         try:
@@ -269,7 +292,7 @@ class ExtProcCall:
         for action in actions:
             send(encode(action))
             if action.__class__ is Immediate:
-                self.ex.close()
+                _closed(self.ex)
                 self.stream.finish()
                 return
 
@@ -279,8 +302,8 @@ class ExtProcCall:
         self.stream.conn.write_soon()
 
     def on_half_close(self) -> None:
-        self.ex.close()
+        _closed(self.ex)
         self.stream.finish()
 
     def on_cancel(self) -> None:
-        self.ex.close()
+        _closed(self.ex)
