@@ -150,6 +150,8 @@ def test_exactly_one_of_three_racing_replicas_leads(cluster):
         want = health_pb2.HealthCheckResponse.SERVING if name == leader else \
             health_pb2.HealthCheckResponse.NOT_SERVING
         assert got == want, name
+        metrics = httpx.get(f"{stack.admin_url}/metrics", timeout=5).text
+        assert f"narwhal_leader {1.0 if name == leader else 0.0}" in metrics, name
 
 
 def test_a_frozen_leader_is_replaced_and_fenced_on_resume(cluster):

@@ -46,7 +46,26 @@ class RouterCollector(Collector):
                                   labels=["engine"])
         resets = CounterMetricFamily("narwhal_engine_drift_resets", "Times the engine's model "
                                      "was found drifted and re-learned", labels=["engine"])
+        failovers = CounterMetricFamily("narwhal_engine_failovers", "Requests placed on the "
+                                        "engine but served by a fallback (it did not answer)",
+                                        labels=["engine"])
+        hit = GaugeMetricFamily("narwhal_engine_prefix_hit_rate", "Prefix-cache hit rate the "
+                                "engine reports (its vllm:prefix_cache_* counters)",
+                                labels=["engine"])
+        predicted_hit = GaugeMetricFamily("narwhal_engine_prefix_predicted_hit_rate",
+                                          "Share of dispatched prompts Narwhal's prefix index "
+                                          "expected cached", labels=["engine"])
+        index_blocks = GaugeMetricFamily("narwhal_engine_prefix_index_blocks", "Prompt blocks "
+                                         "in the engine's prefix index", labels=["engine"])
+        index_evictions = CounterMetricFamily("narwhal_engine_prefix_index_evictions",
+                                              "Blocks evicted from the engine's prefix index",
+                                              labels=["engine"])
         for eng in self.router.engines:
+            failovers.add_metric([eng.name], eng.failovers)
+            hit.add_metric([eng.name], eng.model.hit_rate)
+            predicted_hit.add_metric([eng.name], eng.predicted_hit_rate)
+            index_blocks.add_metric([eng.name], len(eng.prefix.blocks))
+            index_evictions.add_metric([eng.name], eng.prefix.evictions)
             inflight.add_metric([eng.name], eng.in_flight)
             healthy.add_metric([eng.name], 1 if eng.healthy else 0)
             tokens.add_metric([eng.name], eng.output_tokens)
@@ -55,7 +74,15 @@ class RouterCollector(Collector):
             profile_failures.add_metric([eng.name], eng.profile_failures)
             drift.add_metric([eng.name], eng.model.drift)
             resets.add_metric([eng.name], eng.model.drift_resets)
-        yield from (inflight, healthy, tokens, failures, profiled, profile_failures, drift, resets)
+        yield from (inflight, healthy, tokens, failures, profiled, profile_failures, drift, resets,
+                    failovers, hit, predicted_hit, index_blocks, index_evictions)
+        lead = self.router.leadership
+        if lead is not None:
+            now = self.router.clock()
+            yield GaugeMetricFamily("narwhal_leader", "1 while this replica holds the Lease "
+                                    "and may admit", value=1 if lead.leading(now) else 0)
+            yield CounterMetricFamily("narwhal_leader_acquisitions", "Times this replica "
+                                      "acquired the Lease", value=lead.acquisitions)
         yield GaugeMetricFamily("narwhal_admission_queue_length", "Requests waiting for a slot",
                                 value=len(self.router.scheduler.queue))
         yield GaugeMetricFamily("narwhal_requests_held", "Requests inside the retention limit",
