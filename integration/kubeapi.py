@@ -1,12 +1,17 @@
 """A stand-in Kubernetes API server for the parts Narwhal's clients use, run as its own
 process (``python -m integration.kubeapi --port N``). No real API server can run on the
 test machine, so this one enforces the semantics the clients depend on, as the real one
-does:
+does, for any namespaced resource (Leases, EndpointSlices, Pods, InferencePools):
 
-* ``coordination.k8s.io/v1`` Leases: GET (404 ``Status`` when absent), POST (201; 409
-  ``AlreadyExists``), PUT with ``metadata.resourceVersion`` optimistic concurrency (409
-  ``Conflict`` when it is not the current version; without one, an unconditional update),
-  DELETE. ``resourceVersion`` is one counter for the whole store, as etcd's revision is.
+* GET one (404 ``Status`` when absent), POST (201; 409 ``AlreadyExists``), PUT with
+  ``metadata.resourceVersion`` optimistic concurrency (409 ``Conflict`` when it is not the
+  current version; without one, an unconditional update), DELETE.
+* ``resourceVersion`` is one counter for the whole store, as etcd's revision is.
+* LIST with an equality ``labelSelector`` (``k=v,k2=v2``), its ``metadata.resourceVersion``
+  the store's revision; WATCH (``?watch=true``) streams newline-delimited JSON events:
+  from a ``resourceVersion``, every change after it; without one, ADDED for each current
+  object first, then changes (the API server's "get state and start at most recent").
+* Error bodies and answers carry ``Content-Type: application/json`` exactly.
 * Every accepted write is appended to a journal (``GET /_journal``) with the server's
   clock, so tests can check what was written and in what order.
 """
@@ -14,13 +19,16 @@ does:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 from typing import Any
 
 from aiohttp import web
 
-LEASES = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
+KINDS = {"leases": "Lease", "endpointslices": "EndpointSlice", "pods": "Pod",
+         "inferencepools": "InferencePool", "services": "Service"}
+Key = tuple[str, str, str, str]  # (api prefix, plural, namespace, name)
 
 
 def _json(obj: Any, code: int = 200) -> web.Response:
@@ -34,85 +42,134 @@ def status(code: int, reason: str, message: str) -> web.Response:
                   "message": message, "reason": reason, "code": code}, code)
 
 
+def _selector(raw: str) -> dict[str, str]:
+    out = {}
+    for part in filter(None, raw.split(",")):
+        k, _, v = part.partition("=")
+        out[k.strip()] = v.strip().lstrip("=")
+    return out
+
+
+def _matches(obj: dict[str, Any], labels: dict[str, str]) -> bool:
+    have = (obj.get("metadata") or {}).get("labels") or {}
+    return all(have.get(k) == v for k, v in labels.items())
+
+
 class Store:
     def __init__(self) -> None:
         self.revision = 0
-        self.leases: dict[tuple[str, str], dict[str, Any]] = {}
+        self.objects: dict[Key, dict[str, Any]] = {}
+        self.events: list[tuple[int, str, Key, dict[str, Any]]] = []
         self.journal: list[dict[str, Any]] = []
+        self.changed = asyncio.Condition()
 
-    def _stamp(self, obj: dict[str, Any], ns: str, name: str, verb: str) -> dict[str, Any]:
+    async def _commit(self, verb: str, key: Key, obj: dict[str, Any], api_version: str
+                      ) -> dict[str, Any]:
         self.revision += 1
         meta = obj.setdefault("metadata", {})
-        meta.update(name=name, namespace=ns, resourceVersion=str(self.revision))
-        meta.setdefault("uid", f"uid-{ns}-{name}")
-        obj["apiVersion"], obj["kind"] = "coordination.k8s.io/v1", "Lease"
+        meta.update(name=key[3], namespace=key[2], resourceVersion=str(self.revision))
+        meta.setdefault("uid", f"uid-{key[1]}-{key[2]}-{key[3]}-{self.revision}")
+        obj["apiVersion"], obj["kind"] = api_version, KINDS.get(key[1], "Object")
+        if verb == "delete":
+            self.objects.pop(key, None)
+        else:
+            self.objects[key] = obj
+        kind = {"create": "ADDED", "update": "MODIFIED", "delete": "DELETED"}[verb]
+        self.events.append((self.revision, kind, key, json.loads(json.dumps(obj))))
         self.journal.append({"verb": verb, "at": time.time(), "revision": self.revision,
-                             "name": name, "spec": dict(obj.get("spec") or {})})
+                             "resource": key[1], "name": key[3],
+                             "spec": dict(obj.get("spec") or {})})
+        async with self.changed:
+            self.changed.notify_all()
         return obj
 
 
 def app() -> web.Application:
     store = Store()
-    routes = web.RouteTableDef()
 
-    @routes.get(LEASES + "/{name}")
-    async def get_lease(request: web.Request) -> web.Response:
-        key = (request.match_info["ns"], request.match_info["name"])
-        obj = store.leases.get(key)
-        if obj is None:
-            return status(404, "NotFound", f'leases.coordination.k8s.io "{key[1]}" not found')
-        return _json(obj)
+    def where(request: web.Request) -> tuple[str, str, str, str]:
+        m = request.match_info
+        prefix = f"apis/{m['group']}/{m['version']}" if "group" in m else "api/v1"
+        api_version = f"{m['group']}/{m['version']}" if "group" in m else "v1"
+        return prefix, m["plural"], m["ns"], api_version
 
-    @routes.post(LEASES)
-    async def create_lease(request: web.Request) -> web.Response:
-        ns = request.match_info["ns"]
+    async def one(request: web.Request) -> web.Response:
+        prefix, plural, ns, api_version = where(request)
+        name = request.match_info["name"]
+        key = (prefix, plural, ns, name)
+        current = store.objects.get(key)
+        what = f'{plural} "{name}"'
+        if request.method == "GET":
+            return _json(current) if current else status(404, "NotFound", f"{what} not found")
+        if request.method == "DELETE":
+            if current is None:
+                return status(404, "NotFound", f"{what} not found")
+            return _json(await store._commit("delete", key, dict(current), api_version))
         obj = await request.json()
-        name = (obj.get("metadata") or {}).get("name")
-        if not name:
-            return status(422, "Invalid", "metadata.name: Required value")
-        if (ns, name) in store.leases:
-            return status(409, "AlreadyExists",
-                          f'leases.coordination.k8s.io "{name}" already exists')
-        if (obj.get("metadata") or {}).get("resourceVersion"):
-            return status(500, "InternalError",
-                          "resourceVersion should not be set on objects to be created")
-        store.leases[(ns, name)] = store._stamp(obj, ns, name, "create")
-        return _json(store.leases[(ns, name)], 201)
-
-    @routes.put(LEASES + "/{name}")
-    async def replace_lease(request: web.Request) -> web.Response:
-        key = (request.match_info["ns"], request.match_info["name"])
-        obj = await request.json()
-        current = store.leases.get(key)
         if current is None:
-            return status(404, "NotFound", f'leases.coordination.k8s.io "{key[1]}" not found')
+            return status(404, "NotFound", f"{what} not found")
         wanted = (obj.get("metadata") or {}).get("resourceVersion")
         if wanted and wanted != current["metadata"]["resourceVersion"]:
-            return status(409, "Conflict",
-                          f'Operation cannot be fulfilled on leases.coordination.k8s.io '
-                          f'"{key[1]}": the object has been modified; please apply your '
-                          f'changes to the latest version and try again')
-        store.leases[key] = store._stamp(obj, key[0], key[1], "update")
-        return _json(store.leases[key])
+            return status(409, "Conflict", f"Operation cannot be fulfilled on {what}: the "
+                          "object has been modified; please apply your changes to the "
+                          "latest version and try again")
+        return _json(await store._commit("update", key, obj, api_version))
 
-    @routes.delete(LEASES + "/{name}")
-    async def delete_lease(request: web.Request) -> web.Response:
-        key = (request.match_info["ns"], request.match_info["name"])
-        obj = store.leases.pop(key, None)
-        if obj is None:
-            return status(404, "NotFound", f'leases.coordination.k8s.io "{key[1]}" not found')
-        return _json(obj)
+    async def collection(request: web.Request) -> web.StreamResponse:
+        prefix, plural, ns, api_version = where(request)
+        if request.method == "POST":
+            obj = await request.json()
+            name = (obj.get("metadata") or {}).get("name")
+            if not name:
+                return status(422, "Invalid", "metadata.name: Required value")
+            key = (prefix, plural, ns, name)
+            if key in store.objects:
+                return status(409, "AlreadyExists", f'{plural} "{name}" already exists')
+            if (obj.get("metadata") or {}).get("resourceVersion"):
+                return status(500, "InternalError",
+                              "resourceVersion should not be set on objects to be created")
+            return _json(await store._commit("create", key, obj, api_version), 201)
+        labels = _selector(request.query.get("labelSelector", ""))
 
-    @routes.get("/_journal")
+        def mine(key: Key, obj: dict[str, Any]) -> bool:
+            return key[:3] == (prefix, plural, ns) and _matches(obj, labels)
+
+        if request.query.get("watch") not in ("true", "1"):
+            items = [o for k, o in store.objects.items() if mine(k, o)]
+            return _json({"kind": f"{KINDS.get(plural, 'Object')}List", "apiVersion": api_version,
+                          "metadata": {"resourceVersion": str(store.revision)}, "items": items})
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        since = request.query.get("resourceVersion")
+        if since in (None, "", "0"):
+            seen = store.revision
+            for k, o in list(store.objects.items()):
+                if mine(k, o):
+                    await resp.write(json.dumps({"type": "ADDED", "object": o}).encode() + b"\n")
+        else:
+            seen = int(since)
+        while True:
+            for rev, kind, key, obj in [e for e in store.events if e[0] > seen]:
+                seen = rev
+                if mine(key, obj):
+                    await resp.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+            async with store.changed:
+                if store.revision == seen:
+                    await store.changed.wait()
+
     async def journal(request: web.Request) -> web.Response:
         return _json(store.journal)
 
-    @routes.get("/healthz")
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
     application = web.Application()
-    application.add_routes(routes)
+    for base in ("/api/v1/namespaces/{ns}/{plural}",
+                 "/apis/{group}/{version}/namespaces/{ns}/{plural}"):
+        application.router.add_route("*", base, collection)
+        application.router.add_route("*", base + "/{name}", one)
+    application.router.add_get("/_journal", journal)
+    application.router.add_get("/healthz", healthz)
     return application
 
 

@@ -24,6 +24,9 @@ FEATURES = {
     "gateway": ["--set", "mode=gateway"],
     "discovery": ["--set", "engines.discovery.enabled=true",
                   "--set", "engines.discovery.service=vllm-headless.ns.svc.cluster.local"],
+    "kube-discovery": ["--set", "engines.discovery.enabled=true",
+                       "--set", "engines.discovery.kind=kubernetes",
+                       "--set", "engines.discovery.service=vllm"],
     "service-monitor": ["--set", "serviceMonitor.enabled=true"],
     "autoscaling": ["--set", "autoscaling.enabled=true"],
     "ha": ["--set", "ha.enabled=true", "--set", "replicaCount=2"],
@@ -83,11 +86,16 @@ def test_rendered_narwhal_config_loads(feature):
     assert cfg.telemetry.admin_host == "0.0.0.0"  # kubelet probes the pod IP
     if feature == "discovery":
         assert cfg.discovery.name == "vllm-headless.ns.svc.cluster.local"
+    elif feature == "kube-discovery":
+        d = cfg.discovery
+        assert (d.discovery, d.name, d.namespace, d.source) == (
+            "kubernetes", "vllm", "llm", "endpointslices")
     else:
         assert cfg.engines and cfg.discovery is None
 
 
-@pytest.mark.parametrize("feature", ["default", "expose-extproc", "ha", "discovery"])
+@pytest.mark.parametrize("feature", ["default", "expose-extproc", "ha", "discovery",
+                                     "kube-discovery"])
 def test_rendered_envoy_config_validates(feature, tmp_path):
     (cm,) = by_kind(render(FEATURES[feature]), "ConfigMap")
     path = tmp_path / "envoy.yaml"
@@ -225,6 +233,18 @@ def test_schema_rejects_bad_values(bad, where):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert where in out.stderr
+
+
+def test_kubernetes_discovery_grants_read_rbac_and_a_token():
+    docs = render(FEATURES["kube-discovery"])
+    (role,) = by_kind(docs, "Role")
+    granted = {r for rule in role["rules"] for r in rule["resources"]}
+    assert granted == {"endpointslices", "pods", "inferencepools"}
+    assert all(set(rule["verbs"]) == {"get", "list", "watch"} for rule in role["rules"])
+    (sa,) = by_kind(docs, "ServiceAccount")
+    assert sa["automountServiceAccountToken"] is True
+    (default_sa,) = by_kind(render([]), "ServiceAccount")
+    assert default_sa["automountServiceAccountToken"] is False
 
 
 def test_grafana_dashboard_queries_only_metrics_narwhal_exports(stack):

@@ -113,7 +113,7 @@ def cluster() -> Iterator[Cluster]:
                     p.popen.send_signal(signal.SIGCONT)
             stack.stop()
         sim.stop()
-        proc.terminate()
+        proc.kill()
         proc.wait(10)
 
 

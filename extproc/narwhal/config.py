@@ -93,16 +93,23 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class Discovery:
-    """Engines found by resolving a (headless Service) DNS name, re-resolved on an interval."""
+    """Where the pool comes from. ``dns``: resolve ``name`` (a headless Service) every
+    ``interval_ms``. ``kubernetes``: watch the API server: the EndpointSlices of Service
+    ``name`` (``source: endpointslices``), or the Pods an InferencePool ``name`` selects,
+    one engine per target port (``source: inferencepool``)."""
 
     discovery: str
     name: str
-    port: int = 8000
+    port: int = 8000  # dns; kubernetes: when a slice names no port
     dialect: str = "vllm"
-    interval_ms: int = 5000
+    interval_ms: int = 5000  # dns: re-resolve; kubernetes: retry after a failed watch
     prefill_tps: float = 10000.0
     tpot_ms: float = 20.0
     overhead_ms: float = 5.0
+    namespace: str = "default"
+    source: str = "endpointslices"
+    port_name: str = ""  # endpointslices: the Service port to use (default: the first)
+    api_server: str = ""  # empty: in-cluster service account, else $KUBECONFIG
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +200,8 @@ CHOICES = {
     "serving.transport": ("asyncio", "grpcio"),
     "router.role": ("active", "standby"),
     "engines.dialect": ("vllm", "openai"),
-    "engines.discovery": ("dns",),
+    "engines.discovery": ("dns", "kubernetes"),
+    "engines.source": ("endpointslices", "inferencepool"),
 }
 POSITIVE = {
     "serving.max_request_bytes", "serving.max_event_bytes", "serving.max_response_bytes",

@@ -66,6 +66,8 @@ def engine_pool(narwhal_config: dict[str, Any]) -> tuple[list[str], tuple[str, i
     """Envoy's engines cluster must hold every engine Narwhal may name: the configured
     ``ip:port`` endpoints, or the discovery DNS name and port."""
     cfg = parse(narwhal_config)
+    if cfg.discovery is not None and cfg.discovery.discovery == "kubernetes":
+        return [], None  # known only at run time: the caller names Envoy's members
     if cfg.discovery is not None:
         return [], (cfg.discovery.name, cfg.discovery.port)
     return [e.endpoint for e in cfg.engines], None
@@ -210,6 +212,8 @@ class Stack(StackURLs):
     engine_seed: dict[str, Any] = field(default_factory=dict)  # extra keys for every engine
     # Changes a test makes to the rendered Envoy config (an extra filter, say).
     envoy_patch: Callable[[dict[str, Any]], None] | None = None
+    # Envoy's engines cluster members when Narwhal's config cannot say (kubernetes discovery).
+    envoy_engines: list[str] | None = None
     workdir: Path | None = None
     procs: list[Proc] = field(default_factory=list)
     wait_ready: bool = True  # False: start() waits for /live (a router that cannot serve)
@@ -271,6 +275,7 @@ class Stack(StackURLs):
                       timeout, narwhal.popen)
             envoy_path = self.workdir / "envoy.yaml"
             endpoints, dns = engine_pool(self.config_dict())
+            endpoints = self.envoy_engines or endpoints
             envoy_cfg = render_envoy(self.port, self.envoy_admin_port, self.extproc_port,
                                      engines=endpoints, dns=dns)
             if self.envoy_patch is not None:

@@ -138,7 +138,10 @@ static_resources:
       cluster_name: engines
       endpoints:
       - lb_endpoints:
-{{- if .Values.engines.discovery.enabled }}
+{{- if and .Values.engines.discovery.enabled (eq .Values.engines.discovery.kind "kubernetes") }}
+        # The Service's addresses by DNS (make it headless so that every Pod is one).
+        - endpoint: {address: {socket_address: {address: {{ printf "%s.%s.svc.cluster.local" .Values.engines.discovery.service .Release.Namespace | quote }}, port_value: {{ .Values.engines.discovery.port }}}}}
+{{- else if .Values.engines.discovery.enabled }}
         - endpoint: {address: {socket_address: {address: {{ .Values.engines.discovery.service | quote }}, port_value: {{ .Values.engines.discovery.port }}}}}
 {{- else }}
 {{- range .Values.engines.static }}

@@ -34,12 +34,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- $_ := set $c "serving" $serving -}}
 {{- $_ := set $c "telemetry" $telemetry -}}
-{{- if .Values.engines.discovery.enabled -}}
+{{- if and .Values.engines.discovery.enabled (eq .Values.engines.discovery.kind "kubernetes") -}}
+{{- $_ := set $c "engines" (dict "discovery" "kubernetes" "name" .Values.engines.discovery.service "namespace" .Release.Namespace "source" .Values.engines.discovery.source "port" (int .Values.engines.discovery.port) "dialect" .Values.engines.discovery.dialect "interval_ms" (int .Values.engines.discovery.intervalMs)) -}}
+{{- else if .Values.engines.discovery.enabled -}}
 {{- $_ := set $c "engines" (dict "discovery" "dns" "name" .Values.engines.discovery.service "port" (int .Values.engines.discovery.port) "dialect" .Values.engines.discovery.dialect "interval_ms" (int .Values.engines.discovery.intervalMs)) -}}
 {{- else -}}
 {{- $_ := set $c "engines" .Values.engines.static -}}
 {{- end -}}
 {{- toYaml $c -}}
+{{- end -}}
+{{/* Whether the pod talks to the Kubernetes API (leader election, kubernetes discovery). */}}
+{{- define "narwhal.usesKubeAPI" -}}
+{{- if or .Values.ha.enabled (and .Values.engines.discovery.enabled (eq .Values.engines.discovery.kind "kubernetes")) -}}true{{- end -}}
 {{- end -}}
 {{/* The Secret holding the admin token, if any. */}}
 {{- define "narwhal.adminSecret" -}}

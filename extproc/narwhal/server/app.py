@@ -114,11 +114,14 @@ async def serve(config: Config) -> None:
     await runner.setup()
     site = web.TCPSite(runner, config.telemetry.admin_host, config.telemetry.admin_port)
     await site.start()
-    if config.discovery is not None:
+    tasks = []
+    if config.discovery is not None and config.discovery.discovery == "kubernetes":
+        from .kube_discovery import KubernetesDiscovery
+
+        tasks.append(asyncio.ensure_future(KubernetesDiscovery(router, config.discovery).run()))
+    elif config.discovery is not None:
         await discover_once(router, config.discovery)  # the pool exists before telemetry
-        tasks = [asyncio.ensure_future(discovery_loop(router, config.discovery))]
-    else:
-        tasks = []
+        tasks.append(asyncio.ensure_future(discovery_loop(router, config.discovery)))
     tasks.append(asyncio.ensure_future(telemetry_loop(router)))
     tracer = None
     if config.telemetry.tracing.enabled:

@@ -10,35 +10,15 @@ import asyncio
 import logging
 import time
 
-from lightkube import ApiError, AsyncClient, KubeConfig
+from lightkube import AsyncClient
 from lightkube.resources.coordination_v1 import Lease
 
 from ..config import LeaderElection
 from ..core.leadership import LeaseRecord, Write
 from ..core.router import Router
+from .kube import client, status_code
 
 log = logging.getLogger("narwhal.leader")
-
-
-def _client(cfg: LeaderElection, timeout_s: float) -> AsyncClient:
-    if cfg.api_server:  # a plain URL: no credentials (a proxy or a test server)
-        kube = KubeConfig.from_dict({
-            "clusters": [{"name": "api", "cluster": {"server": cfg.api_server}}],
-            "users": [{"name": "narwhal", "user": {}}],
-            "contexts": [{"name": "narwhal", "context": {"cluster": "api", "user": "narwhal",
-                                                          "namespace": cfg.namespace}}],
-            "current-context": "narwhal"})
-    else:  # in a pod: its service account; else $KUBECONFIG / ~/.kube/config
-        kube = KubeConfig.from_env()
-    return AsyncClient(kube, namespace=cfg.namespace, timeout=timeout_s, trust_env=False)
-
-
-def _code(exc: Exception) -> int | None:
-    """The HTTP status of an error answer (lightkube's ApiError or the HTTP client's)."""
-    if isinstance(exc, ApiError) and exc.status is not None and exc.status.code:
-        return int(exc.status.code)
-    response = getattr(exc, "response", None)
-    return getattr(response, "status_code", None)
 
 
 def _lease(cfg: LeaderElection, w: Write) -> Lease:
@@ -50,13 +30,14 @@ def _lease(cfg: LeaderElection, w: Write) -> Lease:
 
 
 class LeaseLoop:
-    def __init__(self, router: Router, client: AsyncClient | None = None) -> None:
+    def __init__(self, router: Router, api: AsyncClient | None = None) -> None:
         assert router.leadership is not None
         self.router = router
         self.lead = router.leadership
         self.cfg = router.config.router.leader_election
         # A call must not outlive the renew deadline it is racing.
-        self.client = client or _client(self.cfg, self.lead.retry_period_s)
+        self.client = api or client(self.cfg.api_server, self.cfg.namespace,
+                                          self.lead.retry_period_s)
         self.state: str | None = "standby"
 
     async def step(self) -> None:
@@ -65,7 +46,7 @@ class LeaseLoop:
             obj = await self.client.get(Lease, self.cfg.lease_name, namespace=self.cfg.namespace)
             record: LeaseRecord | None = LeaseRecord.from_object(obj.to_dict())
         except Exception as exc:  # an error answer, or no API server: the deadline decides
-            if _code(exc) != 404:
+            if status_code(exc) != 404:
                 log.warning("lease %s: read failed: %r", self.cfg.lease_name, exc)
                 return
             record = None
@@ -84,7 +65,7 @@ class LeaseLoop:
             else:
                 out = await self.client.replace(lease, namespace=self.cfg.namespace)
         except Exception as exc:
-            if _code(exc) != 409:  # 409: another replica wrote first, as designed
+            if status_code(exc) != 409:  # 409: another replica wrote first, as designed
                 log.warning("lease %s: write failed: %r", self.cfg.lease_name, exc)
             self.lead.failed()
             return
