@@ -86,6 +86,8 @@ def test_rendered_narwhal_config_loads(feature):
     assert cfg.telemetry.admin_host == "0.0.0.0"  # kubelet probes the pod IP
     if feature == "discovery":
         assert cfg.discovery.name == "vllm-headless.ns.svc.cluster.local"
+    elif feature == "istio":
+        assert cfg.scheduler.fallbacks == 0  # ORIGINAL_DST takes one endpoint
     elif feature == "kube-discovery":
         d = cfg.discovery
         assert (d.discovery, d.name, d.namespace, d.source) == (

@@ -32,6 +32,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $router "leader_election" (dict "enabled" true "lease_name" (default (include "narwhal.fullname" .) .Values.ha.leaseName) "namespace" .Release.Namespace "lease_duration_ms" (int .Values.ha.leaseDurationMs) "renew_deadline_ms" (int .Values.ha.renewDeadlineMs) "retry_period_ms" (int .Values.ha.retryPeriodMs)) -}}
 {{- $_ := set $c "router" $router -}}
 {{- end -}}
+{{- if .Values.istio.envoyFilter.enabled -}}
+{{- /* The EnvoyFilter's ORIGINAL_DST cluster takes one endpoint, not a fallback list. */ -}}
+{{- $_ := set $c "scheduler" (merge (dict "fallbacks" 0) ($c.scheduler | default dict)) -}}
+{{- end -}}
 {{- $_ := set $c "serving" $serving -}}
 {{- $_ := set $c "telemetry" $telemetry -}}
 {{- if and .Values.engines.discovery.enabled (eq .Values.engines.discovery.kind "kubernetes") -}}
