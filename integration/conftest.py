@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -57,3 +59,15 @@ def http(stack: Stack) -> Iterator[httpx.Client]:
 
 def status(stack: Stack) -> dict:
     return httpx.get(f"{stack.admin_url}/status", timeout=5).json()
+
+
+def wait_for(what: Callable[[], Any], timeout: float = 30.0) -> Any:
+    """Poll an observable condition (a status field, a Lease, /ready) until it holds;
+    return its value."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = what()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {getattr(what, '__name__', what)}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -14,7 +13,7 @@ import pytest
 
 from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, wait_http
 
-from .conftest import MODEL
+from .conftest import MODEL, wait_for
 
 BODY = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"
@@ -47,16 +46,6 @@ def router(world: dict, **discovery) -> Stack:
         "engines": {"discovery": "kubernetes", "namespace": "llm",
                     "api_server": world["api"], "interval_ms": 200, **discovery}})
     return stack.start()
-
-
-def wait_for(what, timeout: float = 30.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = what()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def eligible(stack: Stack) -> set[str]:

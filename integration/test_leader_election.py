@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, wait_http
 
-from .conftest import MODEL
+from .conftest import MODEL, wait_for
 
 LEASE_MS, RENEW_MS, RETRY_MS = 2000, 1500, 250
 ADMITTED = re.compile(r"admitted request_id=\S* lease=(\d+) holder=(\S+) at=([\d.]+)")
@@ -50,16 +50,6 @@ class Cluster:
 
     def journal(self) -> list[dict]:
         return httpx.get(f"{self.api}/_journal", timeout=5).json()
-
-    def wait_for(self, what, timeout: float = 30.0):
-        """Poll an observable condition (the Lease, a replica's /ready) until it holds."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            value = what()
-            if value:
-                return value
-            time.sleep(0.02)
-        raise AssertionError(f"timed out waiting for {getattr(what, '__name__', what)}")
 
     def ready(self, name: str) -> dict:
         return httpx.get(f"{self.replicas[name].admin_url}/ready", timeout=5).json()
@@ -127,9 +117,9 @@ def admitted(cluster: Cluster) -> list[tuple[float, int, str, str]]:
 
 
 def test_exactly_one_of_three_racing_replicas_leads(cluster):
-    leader = cluster.wait_for(cluster.holder)
+    leader = wait_for(cluster.holder)
     for name in cluster.replicas:
-        ready = cluster.wait_for(lambda n=name: cluster.ready(n).get("reason") != "starting"
+        ready = wait_for(lambda n=name: cluster.ready(n).get("reason") != "starting"
                                  and cluster.ready(n))
         assert ready["ready"] is (name == leader), (name, ready)
         if name != leader:
@@ -137,7 +127,7 @@ def test_exactly_one_of_three_racing_replicas_leads(cluster):
     creates = [j for j in cluster.journal() if j["verb"] == "create"]
     assert len(creates) == 1  # the others' creates were refused (409 AlreadyExists)
     # Traffic to the standbys is refused with the reason; the leader serves.
-    cluster.wait_for(lambda: 200 in cluster.outcomes.get(leader, []))
+    wait_for(lambda: 200 in cluster.outcomes.get(leader, []))
     standby = next(n for n in cluster.replicas if n != leader)
     resp = httpx.post(f"{cluster.replicas[standby].url}/v1/chat/completions", json=BODY,
                       timeout=10)
@@ -155,11 +145,11 @@ def test_exactly_one_of_three_racing_replicas_leads(cluster):
 
 
 def test_a_frozen_leader_is_replaced_and_fenced_on_resume(cluster):
-    leader = cluster.wait_for(cluster.holder)
+    leader = wait_for(cluster.holder)
     proc = cluster.replicas[leader].proc("narwhal").popen
     proc.send_signal(signal.SIGSTOP)
     try:
-        successor = cluster.wait_for(lambda: (h := cluster.holder()) != leader and h)
+        successor = wait_for(lambda: (h := cluster.holder()) != leader and h)
     finally:
         proc.send_signal(signal.SIGCONT)
     assert successor in cluster.replicas
@@ -173,27 +163,27 @@ def test_a_frozen_leader_is_replaced_and_fenced_on_resume(cluster):
 
 
 def test_a_killed_leader_is_replaced_within_the_lease_duration(cluster):
-    leader = cluster.wait_for(cluster.holder)
+    leader = wait_for(cluster.holder)
     before = len(cluster.journal())
     cluster.replicas[leader].proc("narwhal").popen.kill()
     killed_at = time.time()
-    successor = cluster.wait_for(lambda: (h := cluster.holder()) != leader and h)
+    successor = wait_for(lambda: (h := cluster.holder()) != leader and h)
     taken = next(j for j in cluster.journal()[before:] if j["spec"].get("holderIdentity")
                  == successor)
     # The protocol's bound: expiry is noticed at the standby's next step after the lease
     # duration, and the takeover write is that step's.
     assert taken["at"] - killed_at <= (LEASE_MS + 2 * RETRY_MS) / 1000
-    cluster.wait_for(lambda: cluster.ready(successor)["ready"])
+    wait_for(lambda: cluster.ready(successor)["ready"])
 
 
 def test_graceful_shutdown_hands_the_lease_over_without_waiting_for_expiry(cluster):
-    leader = cluster.wait_for(cluster.holder)
+    leader = wait_for(cluster.holder)
     alive = [n for n, s in cluster.replicas.items()
              if n != leader and s.proc("narwhal").popen.poll() is None]
     assert alive
     before = len(cluster.journal())
     cluster.replicas[leader].proc("narwhal").stop()  # SIGTERM
-    successor = cluster.wait_for(lambda: (h := cluster.holder()) != leader and h)
+    successor = wait_for(lambda: (h := cluster.holder()) != leader and h)
     journal = cluster.journal()[before:]
     released = next(j for j in journal if j["spec"].get("holderIdentity") == "")
     taken = next(j for j in journal if j["spec"].get("holderIdentity") == successor)
