@@ -10,7 +10,9 @@ ENV PIP_CERT=/tmp/ca-certificates.crt PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CAC
 RUN python3 -m venv /opt/narwhal
 COPY pyproject.toml README.md /src/
 COPY extproc /src/extproc
-RUN /opt/narwhal/bin/pip install /src
+COPY scripts/restore_otel_protos.py /src/scripts/
+RUN /opt/narwhal/bin/pip install /src \
+ && /opt/narwhal/bin/python /src/scripts/restore_otel_protos.py
 
 FROM ${BASE_IMAGE}
 COPY --from=build /opt/narwhal /opt/narwhal

@@ -14,7 +14,7 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..core.router import Router
 from .access_log import ACCESS_LOG_PATH, AccessLogCall
 from .admin import admin_app, admin_token
@@ -126,8 +126,14 @@ async def serve(config: Config) -> None:
     tracer = None
     if config.telemetry.tracing.enabled:
         from .extproc import RECORDS
-        from .tracing import Tracer  # the OpenTelemetry SDK only where tracing is on
 
+        try:
+            from .tracing import Tracer  # the OpenTelemetry SDK only where tracing is on
+        except ImportError as exc:
+            raise ConfigError(
+                f"telemetry.tracing: the OTLP exporter cannot load ({exc}); if xds-protos "
+                "overwrote opentelemetry-proto's files, run scripts/restore_otel_protos.py "
+                "or: pip install --force-reinstall --no-deps opentelemetry-proto") from exc
         tracer = Tracer(config.telemetry.tracing)
         RECORDS.append(tracer)
     lease = None
