@@ -7,6 +7,7 @@ import pytest
 
 from narwhal.config import parse
 from narwhal.core.exchange import Body, Exchange, Headers, Immediate
+from narwhal.core.placement import project
 from narwhal.core.router import Router
 from narwhal.core.scheduler import Dispatch, Queued, Refuse, Ticket
 from narwhal.core.sizing import Sizer
@@ -337,3 +338,42 @@ def test_served_by_the_chosen_engine_or_an_unknown_one_moves_nothing():
     router.scheduler.admit(t, clock.t)
     placed = t.engine
     assert router.scheduler.served_by(t, "10.9.9.9:80") is None and t.engine is placed
+
+
+def test_a_request_waits_for_the_engine_that_keeps_its_budget_rather_than_break_it():
+    # fast (4000 tok/s) has one prefill slot; slow (1000 tok/s) has room but would take
+    # 1.5 s for 1500 tokens against a 1 s budget: admitted on fast's projection, the
+    # request must wait for fast's slot, not go to slow.
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1})
+    s = router.scheduler
+    fast, slow = router.engines
+    t1 = ticket(router, 100, budget_s=1.0)
+    assert s.admit(t1, clock.t).engine is fast
+    t2 = ticket(router, 1500, budget_s=1.0)
+    assert isinstance(s.admit(t2, clock.t), Queued) and slow.prefill == 0
+    s.first_token(t1, clock.t + 0.05)
+    clock.t += 0.05
+    assert s.pump(clock.t) == [t2] and t2.engine is fast
+
+
+def test_a_queued_request_no_engine_can_serve_in_budget_any_more_goes_to_the_best_slot():
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1})
+    s = router.scheduler
+    fast, slow = router.engines
+    t1 = ticket(router, 100, budget_s=1.0)
+    s.admit(t1, clock.t)
+    t2 = ticket(router, 1500, budget_s=1.0)
+    assert isinstance(s.admit(t2, clock.t), Queued)
+    clock.t += 0.9  # fast still busy; 0.9 s waited + 0.38 s on fast > 1 s: nowhere in budget
+    assert s.pump(clock.t) == [t2] and t2.engine is slow  # waiting helps no one now
+
+
+def test_requests_ahead_in_prefill_count_as_the_decodes_they_become():
+    router, clock, _ = make_router()
+    fast = router.engines[0]
+    fast.model.ttft.theta[2] = 1.0  # slope grows with the sequences sharing the steps
+    t = ticket(router, 1000)
+    before = project(fast, t).ttft_s
+    fast.prefill = 5
+    assert project(fast, t).ttft_s > before
+    assert router.scheduler.admit(ticket(router, 10), clock.t).engine is not None

@@ -38,7 +38,7 @@ class Ticket:
     dispatched_at: float = 0.0
     work: float = 0.0  # uncached prompt tokens on its engine
     work_ahead: float = 0.0  # the TTFT model's features at dispatch: work ahead + own,
-    decodes_at_dispatch: int = 0  # and the decodes sharing the engine's steps
+    decodes_at_dispatch: int = 0  # and the sequences sharing the engine's steps
     predicted_ttft_s: float | None = None  # client-level projection at admission
     first_token_at: float | None = None
     done: bool = False
@@ -125,7 +125,7 @@ class Scheduler:
             if calibrated > t.budget_s:
                 return Refuse(errors.projected_over_budget(calibrated, t.budget_s))
         if not self.queue:  # then nothing is queued: the projections are placement's too
-            engine = self._place(t, now, projections)
+            engine = self._place(t, now, projections, predictive)
             if engine is not None:
                 return Dispatch(engine)
         if len(self.queue) >= self.config.admission.queue_limit:
@@ -135,8 +135,17 @@ class Scheduler:
         self.queued_tokens += t.tokens
         return Queued()
 
-    def _place(self, t: Ticket, now: float, projections: list[Candidate]) -> EngineState | None:
+    def _place(self, t: Ticket, now: float, projections: list[Candidate],
+               keep_budget: bool = False) -> EngineState | None:
+        """Place on the best engine the pipeline allows. ``keep_budget``: only on an engine
+        whose calibrated projection still meets the request's TTFT budget, counting the
+        time it has waited; the engine that admission judged may have no free slot, and
+        a slower one with a slot would break the promise. None: wait (in the queue) for a
+        slot where the budget can be met."""
         ranked = self.pipeline.rank(t, projections)
+        if keep_budget and ranked:
+            waited = now - t.arrival
+            ranked = [c for c in ranked if waited + c.ttft_margin_s <= t.budget_s]
         if not ranked:
             return None
         picked = ranked[0]
@@ -155,7 +164,7 @@ class Scheduler:
         e.prefill_work += t.work
         e.decode_backlog += t.predicted_output
         t.work_ahead = e.prefill_work
-        t.decodes_at_dispatch = e.decode
+        t.decodes_at_dispatch = e.decode + e.prefill - 1  # as projected (placement.project)
         return e
 
     def place_passthrough(self, now: float, candidates: frozenset[str] | None
@@ -206,9 +215,17 @@ class Scheduler:
         if not self.queue:
             return out
         engines = self.pool.serviceable(now)
+        predictive = self.config.admission.mode == "predictive"
         while self.queue:
             t = self._next_queued()
-            if self._place(t, now, [project(e, t) for e in engines]) is None:
+            projections = [project(e, t) for e in engines]
+            # Wait for a slot where the budget can be met while one exists; once no engine
+            # could meet it any more, waiting helps no one: the best slot now.
+            waited = now - t.arrival
+            keep = predictive and any(
+                waited + c.ttft_margin_s <= t.budget_s for c in projections
+                if t.candidates is None or c.engine.endpoint in t.candidates)
+            if self._place(t, now, projections, keep) is None:
                 break
             self.queue.remove(t)
             self.queued_tokens -= t.tokens
