@@ -49,7 +49,8 @@ NATURAL_OUTPUT = 48
 MAX_TOKENS = 1024
 WORDS = ("narwhal tusk ocean arctic ice whale pod swim deep cold water light wave router "
          "engine token prefill decode budget queue admit place stream chunk").split()
-POLICIES = ("predictive", "open", "round-robin", "vllm-router-p2", "vllm-router-cache")
+POLICIES = ("predictive", "open", "predictive-noprefix", "predictive-affinity", "round-robin",
+            "vllm-router-p2", "vllm-router-cache")
 
 
 def text(rng: random.Random, tokens: int) -> str:
@@ -190,6 +191,7 @@ def summarize(results: list[Result], duration: float, budget_s: float, scale: fl
         "goodput": len(good) / duration,
         "in_budget": len(good) / len(ok) if ok else float("nan"),
         "ttft50": quantile([r.ttft_s / scale for r in ok], 0.5),
+        "ttft90": quantile([r.ttft_s / scale for r in ok], 0.9),
         "ttft99": quantile([r.ttft_s / scale for r in ok], 0.99),
         "tpot50": quantile(tpots, 0.5),
         "tpot99": quantile(tpots, 0.99),
@@ -235,13 +237,22 @@ def sims(scale: float) -> list[SimSpec]:
             for name, profile in ENGINES]
 
 
-def narwhal_stack(pool: Stack, mode: str, budget_ms: int) -> Stack:
+# Narwhal's variants: the scheduler settings each adds to the defaults.
+NARWHAL = {"predictive": ("predictive", {}), "open": ("open", {}),
+           "predictive-noprefix": ("predictive", {"prefix_index_blocks": 0}),
+           "predictive-affinity": ("predictive", {"scorers": {"ttft": 1.0,
+                                                              "prefix-affinity": 0.5}})}
+
+
+def narwhal_stack(pool: Stack, mode: str, budget_ms: int,
+                  scheduler: dict | None = None) -> Stack:
     engines = [{"name": s.name, "url": f"http://127.0.0.1:{s.port}", "dialect": "vllm"}
                for s in pool.sims]
     config = {"admission": {"mode": mode, "ttft_target_ms": budget_ms, "queue_limit": 1024,
                             "retention_limit": 4096, "max_wait_ms": 600_000,
                             "max_ttft_target_ms": 600_000},
-              "scheduler": {"max_prefill_per_engine": 256, "max_decode_per_engine": 256},
+              "scheduler": {"max_prefill_per_engine": 256, "max_decode_per_engine": 256,
+                            **(scheduler or {})},
               "engines": engines}
     return Stack(sims=[], config=config, model=MODEL).start()
 
@@ -257,6 +268,17 @@ def vllm_router(pool: Stack, policy: str, workdir: Path) -> tuple[subprocess.Pop
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     wait_http(f"http://127.0.0.1:{port}/health", 60, proc)
     return proc, port
+
+
+def cache_counters(pool: Stack) -> tuple[float, float]:
+    """The pool's prefix-cache queries and hits so far (tokens), from the engines."""
+    q = h = 0.0
+    for s in pool.sims:
+        values = parse_vllm_metrics(httpx.get(f"http://127.0.0.1:{s.port}/metrics",
+                                              timeout=10).text)
+        q += values.get("prefix_queries", 0.0)
+        h += values.get("prefix_hits", 0.0)
+    return q, h
 
 
 def idle(pool: Stack) -> None:
@@ -278,8 +300,10 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace,
     budget_s = args.budget_ms * args.time_scale / 1000
     rows = []
     try:
-        if policy in ("predictive", "open"):
-            stack = narwhal_stack(pool, policy, round(budget_s * 1000))
+        stack = None
+        if policy in NARWHAL:
+            mode, scheduler = NARWHAL[policy]
+            stack = narwhal_stack(pool, mode, round(budget_s * 1000), scheduler)
             url, stop = f"{stack.url}/v1/chat/completions", stack.stop
         elif policy == "round-robin":
             envoy, port = plain_envoy(REPO_ROOT / "bench" / "envoy-roundrobin.yaml", workdir,
@@ -292,9 +316,22 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace,
         try:
             for load in loads:
                 rate = load * capacity_rps(args.time_scale)
+                before = cache_counters(pool)
                 results = asyncio.run(drive(url, rate, args.duration, args.seed))
-                rows.append((policy, load, rate,
-                             summarize(results, args.duration, budget_s, args.time_scale)))
+                row = summarize(results, args.duration, budget_s, args.time_scale)
+                after = cache_counters(pool)
+                queries = after[0] - before[0]
+                row["hit"] = (after[1] - before[1]) / queries if queries else None
+                if stack is not None:  # Narwhal's index against the engines' own counters
+                    engines = httpx.get(f"{stack.admin_url}/status", timeout=10).json()[
+                        "engines"]
+                    busy = [e for e in engines if e["dispatched"] >= 20] or engines
+                    row["hit_gap"] = max(abs(e["predicted_hit_rate"] - e["prefix_hit_rate"])
+                                         for e in busy)
+                    print("  hit rates (predicted/engine): " + ", ".join(
+                        f"{e['name']} {e['predicted_hit_rate']:.2f}/{e['prefix_hit_rate']:.2f}"
+                        f" ({e['dispatched']})" for e in engines), file=sys.stderr)
+                rows.append((policy, load, rate, row))
                 print(f"  {policy} {load:g}x done", file=sys.stderr, flush=True)
                 idle(pool)
         finally:
@@ -410,16 +447,17 @@ def main() -> int:
     print(f"reproduce: python -m bench.scheduling --duration {args.duration:g} --loads "
           f"{args.loads} --budget-ms {args.budget_ms} --time-scale {args.time_scale:g} "
           f"--policies {args.policies} --seed {args.seed}{' --drift' if args.drift else ''}")
-    print(f"{'policy':18} {'load':>4} {'req/s':>6} {'goodput':>7} {'in-budget':>9} "
-          f"{'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'p99':>6} {'refused':>7} "
-          f"{'pred p50/p90/MAPE':>19} {'out MAPE':>8}")
+    print(f"{'policy':19} {'load':>4} {'req/s':>6} {'goodput':>7} {'in-budget':>9} "
+          f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TPOT p50':>8} {'p99':>6} {'refused':>7} "
+          f"{'pred p50/p90/MAPE':>19} {'out MAPE':>8} {'hit':>5} {'hit gap':>7}")
     for policy, load, rate, s in rows:
         err = (f"{_fmt(s['err50'], True)}/{_fmt(s['err90'], True)}/{_fmt(s['mape'], True)}"
                if s["err50"] is not None else "-")
-        print(f"{policy:18} {load:4.1f} {rate:6.2f} {s['goodput']:7.2f} {s['in_budget']:9.1%} "
-              f"{_fmt(s['ttft50']):>8} {_fmt(s['ttft99']):>7} {_fmt(s['tpot50']):>8} "
-              f"{_fmt(s['tpot99']):>6} {s['refused']:7.1%} {err:>19} "
-              f"{_fmt(s['out_mape'], True):>8}")
+        print(f"{policy:19} {load:4.1f} {rate:6.2f} {s['goodput']:7.2f} {s['in_budget']:9.1%} "
+              f"{_fmt(s['ttft50']):>8} {_fmt(s.get('ttft90')):>7} {_fmt(s['ttft99']):>7} "
+              f"{_fmt(s['tpot50']):>8} {_fmt(s['tpot99']):>6} {s['refused']:7.1%} {err:>19} "
+              f"{_fmt(s['out_mape'], True):>8} {_fmt(s.get('hit'), True):>5} "
+              f"{_fmt(s.get('hit_gap'), True):>7}")
     if drift is not None:
         d = drift["detect_s"]
         print(f"drift (h100 halves its speed at {args.duration / 3:.0f} s, load 1.0): detected "

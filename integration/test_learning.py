@@ -14,7 +14,8 @@ from .test_profiling import engine, status, wait_engine
 @pytest.fixture(scope="module")
 def decoders():
     yield from _stack([SimSpec("quick", args=["--tpot-ms", "5", "--natural-output", "20"]),
-                       SimSpec("sluggish", args=["--tpot-ms", "60"])])
+                       SimSpec("sluggish", args=["--tpot-ms", "60", "--num-gpu-blocks", "1000",
+                                                  "--max-model-len", "16000"])])
 
 
 def chat(stack, headers: dict[str, str] | None = None, system: str = "You are terse.",
@@ -55,3 +56,11 @@ def test_output_length_is_learned_from_identified_output(decoders):
     late = [abs(p - a) / a for p, a in zip(predicted[6:], actual[6:], strict=True)]
     assert sum(late) / len(late) < 0.6  # lognormal outputs: the mean is the best guess
     assert status(decoders)["output_length_error"]["samples"] >= 12
+
+
+def test_the_prefix_index_is_bounded_by_the_engines_reported_cache(decoders):
+    engines = {e["name"]: e for e in status(decoders)["engines"]}
+    small, large = engines["sluggish"], engines["quick"]
+    assert small["kv_capacity_tokens"] == 16 * 1000 and large["kv_capacity_tokens"] == 16 * 65536
+    # 16000 tokens hold a few hundred 64-byte prompt blocks, not the configured 65536.
+    assert 100 < small["prefix_index_capacity"] < 65536 == large["prefix_index_capacity"]

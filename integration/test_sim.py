@@ -57,6 +57,10 @@ def test_models_health_metrics(sim):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc"):
         assert name in metrics
+    # vLLM's cache configuration info gauge, as Narwhal's telemetry parses it.
+    from narwhal.server.telemetry import parse_vllm_metrics
+
+    assert parse_vllm_metrics(metrics)["kv_capacity_tokens"] == 16 * 65536
 
 
 def test_unknown_fault_is_refused(sim):

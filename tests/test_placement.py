@@ -6,6 +6,7 @@ import pytest
 
 from narwhal.config import ConfigError, parse
 from narwhal.core.outputs import OutputLengths, system_hash
+from narwhal.core.placement import project
 from narwhal.core.router import Router
 from narwhal.core.scheduler import Dispatch, Refuse, Ticket
 
@@ -146,13 +147,13 @@ def test_prefix_index_memory_is_bounded_and_lru():
     from narwhal.core.prefix import PrefixIndex, prompt_blocks
 
     idx = PrefixIndex(100)
-    old, _ = prompt_blocks({"prompt": "x" * 64 * 60})
-    new, _ = prompt_blocks({"prompt": "y" * 64 * 60})
+    old, _, _ = prompt_blocks({"prompt": "x" * 64 * 60})
+    new, _, _ = prompt_blocks({"prompt": "y" * 64 * 60})
     idx.insert(old)
     idx.insert(new)
     assert len(idx.blocks) == 100 and idx.evictions == 20
     assert idx.match(new) == 60 and idx.match(old) == 0  # the oldest blocks went first
-    changed, _ = prompt_blocks({"prompt": "y" * 64 * 10 + "z" + "y" * (64 * 50 - 1)})
+    changed, _, _ = prompt_blocks({"prompt": "y" * 64 * 10 + "z" + "y" * (64 * 50 - 1)})
     assert idx.match(changed) == 10  # chained: one byte ends the match
 
 
@@ -165,3 +166,57 @@ def test_kv_full_engines_take_no_new_requests_and_a_full_pool_refuses():
     d = r.scheduler.admit(ticket(), 100.0)
     assert isinstance(d, Refuse) and d.error.code == "engines_saturated"
     assert d.error.status == 429 and d.error.retry_after == 1
+
+
+def test_prefix_affinity_scorer_is_gated_by_load():
+    # Affinity only: a 2x busier engine with the prompt cached earns nothing for it.
+    r = router(engines=[{"name": "a", "url": "http://127.0.0.1:1", "prefill_tps": 2000},
+                        {"name": "b", "url": "http://127.0.0.1:2", "prefill_tps": 2000}],
+               scheduler={"scorers": {"prefix-affinity": 1.0, "decode-load": 0.1}})
+    a, b = r.engines
+    system = {"role": "system", "content": "You are a careful assistant. " * 100}
+
+    def t_for(question: str) -> Ticket:
+        t = ticket(750)
+        r.scheduler.annotate(t, True, {"messages": [system, {"role": "user",
+                                                            "content": question}]}, 64)
+        return t
+
+    a.prefix.insert(t_for("warm").blocks)
+    b.decode_backlog = 10  # without affinity, decode-load would choose a
+    a.decode_backlog = 1000
+    assert r.scheduler.admit(t_for("q1"), 100.0).engine is a  # cached, and not much slower
+    a.prefill_work = 20_000  # 10 s of prefill ahead on a: far more than 1.5x b's
+    assert r.scheduler.admit(t_for("q2"), 100.0).engine is b
+
+
+def test_with_a_tokenizer_the_prefix_index_cuts_token_blocks(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    words = "narwhal tusk ocean arctic ice whale pod swim deep cold water light".split()
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(
+        special_tokens=["[UNK]"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    r = router(sizing={"tokenizer": str(path)},
+               engines=[{"name": "a", "url": "http://127.0.0.1:1", "prefill_tps": 2000},
+                        {"name": "b", "url": "http://127.0.0.1:2", "prefill_tps": 2000}])
+    a = r.engines[0]
+    system = {"role": "system", "content": " ".join(words * 10)}  # 120 words: 7 token blocks
+
+    def t_for(question: str) -> Ticket:
+        t = ticket(200)
+        r.scheduler.annotate(t, True, {"messages": [system, {"role": "user",
+                                                            "content": question}]}, 64)
+        return t
+
+    first = t_for("ice")
+    assert first.block_units == 16 and len(first.blocks) == first.prompt_units // 16
+    assert r.scheduler.admit(first, 100.0).engine is a
+    second = t_for("whale pod")
+    # The shared system prompt's token blocks are found; "ice" vs "whale pod" ends it.
+    assert a.prefix.match(second.blocks) >= 7
+    assert 0.8 < project(a, second).cached <= 1.0
+    assert r.sizer.tokens_per_block() == 16.0

@@ -235,6 +235,23 @@ def test_parse_vllm_metrics():
             'vllm:num_requests_waiting{model_name="m"} 2\nvllm:kv_cache_usage_perc 0.5\n'
             'vllm:other 9\nvllm:num_requests_running{model_name="n"} 1\nbad line\n')
     assert parse_vllm_metrics(text) == {"running": 4.0, "waiting": 2.0, "kv_cache_usage": 0.5}
+    info = ('vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",'
+            'num_gpu_blocks="1000",prefix_caching_hash_algo="sha256"} 1.0\n'
+            'vllm:cache_config_info{block_size="x",num_gpu_blocks="9"} 1.0\n')
+    assert parse_vllm_metrics(info) == {"kv_capacity_tokens": 16000.0}
+
+
+def test_the_prefix_index_is_bounded_by_the_engines_cache():
+    router, clock, _ = make_router()  # configured bound: 65536 blocks
+    fast = router.engines[0]
+    fast.prefix.insert(list(range(5000)))
+    # 16000 tokens of KV cache, 16 tokens a block: 1000 blocks
+    router.pool.observe_kv_capacity(fast, 16000, 16.0)
+    assert fast.kv_capacity_tokens == 16000 and fast.prefix.capacity == 1000
+    assert len(fast.prefix.blocks) == 1000 and fast.prefix.evictions == 4000
+    assert fast.prefix.match(list(range(4000, 4010))) == 10  # the newest stayed
+    router.pool.observe_kv_capacity(fast, 10**9, 16.0)
+    assert fast.prefix.capacity == 65536  # never past the configured bound
 
 
 def test_tokenizer_file_sizes_prompts(tmp_path):

@@ -10,6 +10,7 @@ with itself; and Narwhal's measured output tokens (``/status``) equal vLLM's
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -266,3 +267,15 @@ def test_models_route_is_vllms(tools_pair):
         direct, routed = d.get("/v1/models").json(), r.get("/v1/models").json()
     assert routed["data"][0]["id"] == direct["data"][0]["id"] == SERVED_MODEL
     assert routed["data"][0]["max_model_len"] == 2048
+
+
+def test_engine_cache_size_is_read_from_vllms_metrics(tools_pair):
+    """vLLM's vllm:cache_config_info (block size x GPU blocks) bounds the prefix index."""
+    with tools_pair.direct() as d:
+        text = d.get("/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("vllm:cache_config_info{"))
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+    tokens = int(labels["block_size"]) * int(labels["num_gpu_blocks"])
+    st = tools_pair.engine_status()
+    assert st["kv_capacity_tokens"] == tokens > 0
+    assert 0 < st["prefix_index_capacity"] <= 65536

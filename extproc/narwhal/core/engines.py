@@ -30,6 +30,9 @@ class EngineState:
     decode: int = 0
     # Uncached prompt tokens of the requests in prefill here: the work ahead of the next.
     prefill_work: float = 0.0
+    # Prompt tokens of the requests placed here and not yet ended: the context the
+    # engine's steps attend over.
+    context_tokens: int = 0
     # Predicted output tokens of the requests placed here (output-length learning).
     decode_backlog: int = 0
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))
@@ -42,6 +45,7 @@ class EngineState:
     output_tokens: int = 0
     measurement_failures: int = 0
     dispatched: int = 0
+    kv_capacity_tokens: int = 0  # the engine's KV cache size (vllm:cache_config_info)
     failovers: int = 0  # placed here, served by a fallback (this engine did not answer)
     endpoint: str = ""  # ``ip:port`` for Envoy, computed once
     # Profiling (profiling.py): eligible only once measured.

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .engines import EngineState
-from .prefix import BLOCK_BYTES
 
 if TYPE_CHECKING:
     from ..config import Scheduler as SchedulerConfig
@@ -40,7 +39,7 @@ def cached_fraction(e: EngineState, t: Ticket) -> float:
     """The share of the prompt the engine's prefix index says it has seen."""
     if not t.blocks or not e.prefix.capacity:
         return 0.0
-    return min(1.0, e.prefix.match(t.blocks) * BLOCK_BYTES / t.prompt_bytes)
+    return min(1.0, e.prefix.match(t.blocks) * t.block_units / t.prompt_units)
 
 
 def project(e: EngineState, t: Ticket, extra_work: float = 0.0) -> Candidate:
@@ -55,7 +54,8 @@ def project(e: EngineState, t: Ticket, extra_work: float = 0.0) -> Candidate:
         cached, work = 0.0, m.uncached(t.tokens)
     # The sequences sharing the engine's steps while this one waits: the decodes now, and
     # the requests ahead of it in prefill, which decode by the time its own prefill runs.
-    return Candidate(e, m.ttft_s(e.prefill_work + work + extra_work, e.decode + e.prefill),
+    return Candidate(e, m.ttft_s(e.prefill_work + work + extra_work, e.decode + e.prefill,
+                                 e.context_tokens + t.tokens),
                      m.tpot_s(e.decode + 1), work, cached)
 
 
@@ -100,6 +100,17 @@ def _decode_load(t: Ticket, cands: list[Candidate]) -> list[float]:
     return [1.0 - c.engine.decode_backlog / worst if worst > 0 else 1.0 for c in cands]
 
 
+AFFINITY_LOAD_GATE = 1.5  # an engine this much slower than the best earns no affinity
+
+
+def _prefix_affinity(t: Ticket, cands: list[Candidate]) -> list[float]:
+    """The share of the prompt the engine's prefix index has seen, gated by load: an
+    engine whose calibrated projection is more than 1.5x the best one's scores 0, so a
+    hot prefix cannot pile every request onto one engine (the "cache death spiral")."""
+    best = min(c.ttft_margin_s for c in cands)
+    return [c.cached if c.ttft_margin_s <= AFFINITY_LOAD_GATE * best else 0.0 for c in cands]
+
+
 def _kv_cache(t: Ticket, cands: list[Candidate]) -> list[float]:
     return [1.0 - min(1.0, max(0.0, c.engine.kv_cache_usage)) for c in cands]
 
@@ -113,7 +124,8 @@ def _max_score(cands: list[Candidate], scores: list[float]) -> list[Candidate]:
 
 FILTERS: dict[str, Filter] = {"subset": _subset, "has-slot": _has_slot,
                               "tpot-budget": _tpot_budget, "kv-headroom": _kv_headroom}
-SCORERS: dict[str, Scorer] = {"ttft": _ttft, "decode-load": _decode_load, "kv-cache": _kv_cache}
+SCORERS: dict[str, Scorer] = {"ttft": _ttft, "decode-load": _decode_load, "kv-cache": _kv_cache,
+                              "prefix-affinity": _prefix_affinity}
 PICKERS: dict[str, Picker] = {"max-score": _max_score}
 
 

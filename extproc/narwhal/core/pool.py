@@ -30,6 +30,16 @@ class Pool:
         self.engines.append(e)
         return e
 
+    def observe_kv_capacity(self, e: EngineState, tokens: float, tokens_per_block: float
+                            ) -> None:
+        """The engine's KV cache holds ``tokens`` tokens (its cache configuration): its
+        prefix index remembers no more prompt than that cache can, within the configured
+        bound, so entries expire about when the engine's own would."""
+        e.kv_capacity_tokens = int(tokens)
+        if self.prefix_blocks and tokens > 0:
+            e.prefix.resize(max(1, min(self.prefix_blocks,
+                                       int(tokens / max(1.0, tokens_per_block)))))
+
     def reconcile(self, wanted: dict[str, EngineConfig]) -> tuple[list[str], list[str]]:
         """Make the pool match ``wanted`` (endpoint -> config): add the new, retire the
         gone (no new work; dropped once their in-flight requests end). Returns the

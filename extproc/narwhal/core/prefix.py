@@ -4,8 +4,9 @@ sent where, so that a projection charges only the prefill an engine still has to
 Why approximate: the engine's tokenizer, chat template and block boundaries are its
 own; what matters to a projection is the *fraction* of a prompt an engine has seen
 before. So the prompt is rendered canonically (role and content of each message, in
-order) and cut into fixed blocks of bytes with chained hashes — block i's hash covers
-blocks 0..i, so one differing byte ends the match — and each engine keeps the hashes
+order) and cut into fixed blocks — of bytes, or of tokens when a tokenizer is configured —
+with chained hashes (block i's hash covers blocks 0..i, so one difference ends the match),
+and each engine keeps the hashes
 it was sent in an LRU with a fixed bound (an unbounded prefix index is a known cause
 of router OOMs). An engine that restarts loses its cache; so does its index.
 """
@@ -16,13 +17,15 @@ from collections import OrderedDict
 from typing import Any
 
 BLOCK_BYTES = 64  # ~16 tokens at 4 bytes a token: vLLM's block size
+BLOCK_TOKENS = 16  # with a tokenizer: vLLM's block size itself
 
 
-def prompt_blocks(body: dict[str, Any]) -> tuple[list[int], int]:
-    """Chained hashes of the canonical prompt's full blocks, and its length in bytes."""
+def canonical_prompt(body: dict[str, Any]) -> str | None:
+    """The prompt as the index sees it: role and content of each message in order, or the
+    text prompt; None for a prompt it cannot cut (token IDs)."""
     messages = body.get("messages")
     if isinstance(messages, list):
-        parts: list[bytes] = []
+        parts: list[str] = []
         for m in messages:
             if not isinstance(m, dict):
                 continue
@@ -30,22 +33,34 @@ def prompt_blocks(body: dict[str, Any]) -> tuple[list[int], int]:
             if isinstance(content, list):
                 content = "".join(p.get("text", "") for p in content
                                   if isinstance(p, dict) and isinstance(p.get("text"), str))
-            parts.append(f"{m.get('role')}\n{content if isinstance(content, str) else ''}\n"
-                         .encode())
-        data = b"".join(parts)
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            return [], 0
-        data = prompt.encode()
+            parts.append(f"{m.get('role')}\n{content if isinstance(content, str) else ''}\n")
+        return "".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
+
+
+def prompt_blocks(body: dict[str, Any], tokenizer: Any = None) -> tuple[list[int], int, int]:
+    """Chained hashes of the canonical prompt's full blocks, the prompt's length and the
+    block size in the same unit: bytes (64 a block), or, with a tokenizer (``sizing.
+    tokenizer``), tokens (16 a block, as the engine cuts them)."""
+    text = canonical_prompt(body)
+    if text is None:
+        return [], 0, BLOCK_BYTES
     out: list[int] = []
     h = 0
+    if tokenizer is not None:
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        for start in range(0, len(ids) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
+            h = hash((h, tuple(ids[start:start + BLOCK_TOKENS])))
+            out.append(h)
+        return out, len(ids), BLOCK_TOKENS
+    data = text.encode()
     for start in range(0, len(data) - BLOCK_BYTES + 1, BLOCK_BYTES):
         h = hash((h, data[start:start + BLOCK_BYTES]))
         out.append(h)
-    return out, len(data)
+    return out, len(data), BLOCK_BYTES
 
 
 class PrefixIndex:
@@ -77,6 +92,13 @@ class PrefixIndex:
                 blocks[h] = None
         while len(blocks) > self.capacity:
             blocks.popitem(last=False)
+            self.evictions += 1
+
+    def resize(self, capacity: int) -> None:
+        """A new bound (the engine's cache size became known); the oldest go first."""
+        self.capacity = capacity
+        while len(self.blocks) > capacity:
+            self.blocks.popitem(last=False)
             self.evictions += 1
 
     def clear(self) -> None:

@@ -56,6 +56,7 @@ class Router:
         self.learning = Learning(self.pool)
         self.scheduler = Scheduler(config, self.pool, self.learning)
         self.sizer = Sizer(config.sizing.bytes_per_token, config.sizing.tokenizer)
+        self.scheduler.tokenizer = self.sizer.tokenizer  # prefix blocks in tokens, if any
         self.accounting = Accounting()
         self.held = 0  # requests inside the HTTP retention limit
         self.draining = False

@@ -38,7 +38,8 @@ class Ticket:
     dispatched_at: float = 0.0
     work: float = 0.0  # uncached prompt tokens on its engine
     work_ahead: float = 0.0  # the TTFT model's features at dispatch: work ahead + own,
-    decodes_at_dispatch: int = 0  # and the sequences sharing the engine's steps
+    decodes_at_dispatch: int = 0  # and the sequences sharing the engine's steps,
+    context_at_dispatch: int = 0  # and their prompt tokens (own included)
     predicted_ttft_s: float | None = None  # client-level projection at admission
     first_token_at: float | None = None
     done: bool = False
@@ -48,7 +49,8 @@ class Ticket:
     predicted_output: int = 0
     output_keys: list[Key] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)  # prompt block hashes (prefix index)
-    prompt_bytes: int = 0
+    prompt_units: int = 0  # the prompt's length in the index's unit (bytes or tokens)
+    block_units: int = 64  # and one block's
     # Ranked engines Envoy may retry on if ``engine`` does not answer (endpoint picker).
     fallbacks: tuple[EngineState, ...] = ()
     failover: bool = False  # served by a fallback: its TTFT is no sample of either engine
@@ -80,6 +82,7 @@ class Scheduler:
         self.learning = learning
         self.pipeline = Pipeline(config.scheduler)
         self.queue: deque[Ticket] = deque()
+        self.tokenizer: Any = None  # sizing.tokenizer's, for the prefix index (router sets)
         self.queued_tokens = 0
 
     # -- admission -----------------------------------------------------------------
@@ -90,7 +93,7 @@ class Scheduler:
         t.output_keys = OutputLengths.keys(chat, system_hash(body), max_tokens, t.tokens)
         t.predicted_output = self.learning.outputs.predict(t.output_keys, max_tokens)
         if self.config.scheduler.prefix_index_blocks:
-            t.blocks, t.prompt_bytes = prompt_blocks(body)
+            t.blocks, t.prompt_units, t.block_units = prompt_blocks(body, self.tokenizer)
 
     def admit(self, t: Ticket, now: float) -> Decision:
         engines = self.pool.serviceable(now, t.candidates)
@@ -165,6 +168,8 @@ class Scheduler:
         e.decode_backlog += t.predicted_output
         t.work_ahead = e.prefill_work
         t.decodes_at_dispatch = e.decode + e.prefill - 1  # as projected (placement.project)
+        e.context_tokens += t.tokens
+        t.context_at_dispatch = e.context_tokens
         return e
 
     def place_passthrough(self, now: float, candidates: frozenset[str] | None
@@ -192,6 +197,8 @@ class Scheduler:
         old.prefill -= 1
         old.prefill_work = max(0.0, old.prefill_work - t.work)
         old.decode_backlog = max(0, old.decode_backlog - t.predicted_output)
+        old.context_tokens = max(0, old.context_tokens - t.tokens)
+        new.context_tokens += t.tokens
         old.dispatched -= 1
         old.failovers += 1
         new.prefill += 1
@@ -267,6 +274,7 @@ class Scheduler:
         else:
             e.decode -= 1
         e.decode_backlog = max(0, e.decode_backlog - t.predicted_output)
+        e.context_tokens = max(0, e.context_tokens - t.tokens)
         if output_tokens is not None:
             self.learning.completed(t, output_tokens, last_token_at)
         if e.retired and e.in_flight == 0:

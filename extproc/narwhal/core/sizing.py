@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from .prefix import BLOCK_BYTES, BLOCK_TOKENS
+
 EWMA = 0.1
 
 
@@ -31,6 +33,13 @@ class Sizer:
         if self.tokenizer is not None and text is not None:
             return max(1, len(self.tokenizer.encode(text(), add_special_tokens=False).ids))
         return max(1, math.ceil(prompt_bytes / self.bytes_per_token))
+
+    def tokens_per_block(self) -> float:
+        """Tokens one prefix-index block covers: 16 with a tokenizer, else 64 bytes'
+        worth at the learned ratio."""
+        if self.tokenizer is not None:
+            return float(BLOCK_TOKENS)
+        return BLOCK_BYTES / max(0.5, self.bytes_per_token)
 
     def learn(self, prompt_bytes: int, prompt_tokens: object) -> None:
         if not isinstance(prompt_tokens, int) or isinstance(prompt_tokens, bool):

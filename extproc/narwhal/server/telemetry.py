@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 import aiohttp
 
@@ -27,13 +28,25 @@ GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "
 MAX_METRICS_BYTES = 4 * 1024 * 1024
 
 
+CACHE_INFO = "vllm:cache_config_info"
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
 def parse_vllm_metrics(text: str) -> dict[str, float]:
-    """Sum the series Narwhal reads across label sets; ignore everything else."""
+    """Sum the series Narwhal reads across label sets; ignore everything else. The cache
+    configuration's info gauge gives ``kv_capacity_tokens`` (block size x GPU blocks)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name == CACHE_INFO:
+            labels = dict(_LABEL.findall(line[:4096]))
+            size, blocks = labels.get("block_size", ""), labels.get("num_gpu_blocks", "")
+            if size.isdecimal() and blocks.isdecimal() and len(size + blocks) < 20:
+                out["kv_capacity_tokens"] = out.get("kv_capacity_tokens", 0.0) + int(size) * int(
+                    blocks)
+            continue
         attr = GAUGES.get(name)
         if attr is None:
             continue
@@ -61,6 +74,9 @@ async def scrape_engine(router: Router, engine: EngineState,
                     for attr in ("running", "waiting", "kv_cache_usage"):
                         if attr in values:
                             setattr(engine, attr, values[attr])
+                    if "kv_capacity_tokens" in values:
+                        router.pool.observe_kv_capacity(engine, values["kv_capacity_tokens"],
+                                                        router.sizer.tokens_per_block())
                     if "prefix_queries" in values and "prefix_hits" in values:
                         engine.model.observe_cache(values["prefix_queries"],
                                                    values["prefix_hits"])

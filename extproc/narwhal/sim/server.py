@@ -169,6 +169,12 @@ class Engine:
         text = "".join(f"# HELP vllm:{name} {doc}\n# TYPE vllm:{name} {kind}\n"
                        f"vllm:{name}{labels} {float(value)!r}\n"
                        for name, kind, doc, value in rows)
+        # vLLM's info gauge for its cache configuration (the values are labels).
+        text += ("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+                 "# TYPE vllm:cache_config_info gauge\n"
+                 f'vllm:cache_config_info{{block_size="{BLOCK_SIZE}",enable_prefix_caching='
+                 f'"{sched.prefix_caching}",engine="0",num_gpu_blocks="{sched.num_gpu_blocks}"'
+                 "} 1.0\n")
         return web.Response(text=text, content_type="text/plain")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
