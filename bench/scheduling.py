@@ -270,15 +270,30 @@ def vllm_router(pool: Stack, policy: str, workdir: Path) -> tuple[subprocess.Pop
     return proc, port
 
 
-def cache_counters(pool: Stack) -> tuple[float, float]:
-    """The pool's prefix-cache queries and hits so far (tokens), from the engines."""
-    q = h = 0.0
+def cache_counters(pool: Stack) -> dict[str, tuple[float, float]]:
+    """Each engine's prefix-cache queries and hits so far (tokens), from its metrics."""
+    out = {}
     for s in pool.sims:
         values = parse_vllm_metrics(httpx.get(f"http://127.0.0.1:{s.port}/metrics",
                                               timeout=10).text)
-        q += values.get("prefix_queries", 0.0)
-        h += values.get("prefix_hits", 0.0)
-    return q, h
+        out[s.name] = (values.get("prefix_queries", 0.0), values.get("prefix_hits", 0.0))
+    return out
+
+
+def index_counters(stack: Stack) -> dict[str, tuple[float, float]]:
+    """Narwhal's prompt tokens dispatched per engine and the part its index expected cached."""
+    engines = httpx.get(f"{stack.admin_url}/status", timeout=10).json()["engines"]
+    return {e["name"]: (e["index_tokens"], e["index_cached_tokens"]) for e in engines}
+
+
+def hit_rates(before: dict, after: dict, min_tokens: float = 0.0) -> dict[str, float]:
+    """Per engine, over a window: the second counter's share of the first."""
+    out = {}
+    for name, (q1, h1) in after.items():
+        q0, h0 = before.get(name, (0.0, 0.0))
+        if q1 - q0 > min_tokens:
+            out[name] = (h1 - h0) / (q1 - q0)
+    return out
 
 
 def idle(pool: Stack) -> None:
@@ -300,7 +315,7 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace,
     budget_s = args.budget_ms * args.time_scale / 1000
     rows = []
     try:
-        stack = None
+        stack, scheduler = None, {}
         if policy in NARWHAL:
             mode, scheduler = NARWHAL[policy]
             stack = narwhal_stack(pool, mode, round(budget_s * 1000), scheduler)
@@ -317,20 +332,23 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace,
             for load in loads:
                 rate = load * capacity_rps(args.time_scale)
                 before = cache_counters(pool)
+                index0 = index_counters(stack) if stack is not None else {}
                 results = asyncio.run(drive(url, rate, args.duration, args.seed))
                 row = summarize(results, args.duration, budget_s, args.time_scale)
                 after = cache_counters(pool)
-                queries = after[0] - before[0]
-                row["hit"] = (after[1] - before[1]) / queries if queries else None
-                if stack is not None:  # Narwhal's index against the engines' own counters
-                    engines = httpx.get(f"{stack.admin_url}/status", timeout=10).json()[
-                        "engines"]
-                    busy = [e for e in engines if e["dispatched"] >= 20] or engines
-                    row["hit_gap"] = max(abs(e["predicted_hit_rate"] - e["prefix_hit_rate"])
-                                         for e in busy)
-                    print("  hit rates (predicted/engine): " + ", ".join(
-                        f"{e['name']} {e['predicted_hit_rate']:.2f}/{e['prefix_hit_rate']:.2f}"
-                        f" ({e['dispatched']})" for e in engines), file=sys.stderr)
+                queries = sum(a[0] - before[n][0] for n, a in after.items())
+                hits = sum(a[1] - before[n][1] for n, a in after.items())
+                row["hit"] = hits / queries if queries else None
+                if stack is not None and scheduler.get("prefix_index_blocks") != 0:
+                    # The index's expectation against each engine's own counters, over the
+                    # cell, for engines that served a real share of it.
+                    actual = hit_rates(before, after, 20_000)
+                    predicted = hit_rates(index0, index_counters(stack), 5_000)
+                    gaps = {n: predicted[n] - actual[n] for n in actual if n in predicted}
+                    row["hit_gap"] = max(map(abs, gaps.values())) if gaps else None
+                    print("  hit rate predicted/engine: " + ", ".join(
+                        f"{n} {predicted[n]:.2f}/{actual[n]:.2f}" for n in gaps),
+                        file=sys.stderr)
                 rows.append((policy, load, rate, row))
                 print(f"  {policy} {load:g}x done", file=sys.stderr, flush=True)
                 idle(pool)

@@ -91,28 +91,3 @@ def test_rls_covariance_does_not_wind_up():
     assert sum(r.p[i][i] for i in range(2)) <= 2.0 + 1e-9
     assert r.theta[0] == pytest.approx(1.0)
 
-
-def test_the_context_the_steps_attend_over_is_learned():
-    """An engine whose decodes carry long or short contexts (multi-turn conversations
-    against fresh questions): the same work and decodes cost more with more context, and
-    the model that sees the context predicts it where one blind to it cannot."""
-
-    def engine(work: float, decodes: int, context: float) -> float:
-        steps = work / (2048 - decodes)  # (step quantisation is the other tests' noise)
-        return steps * (64 + 0.265 * 2048 + 0.437 * context / 1000) / 1000
-
-    seeing = PerfModel(prefill_tps=10000, tpot_ms=20, overhead_ms=5)
-    blind = PerfModel(prefill_tps=10000, tpot_ms=20, overhead_ms=5)
-    rng = random.Random(5)
-    errs_seeing, errs_blind = [], []
-    for i in range(600):
-        work, decodes = rng.uniform(2000, 12000), rng.randrange(10, 60)
-        context = decodes * rng.choice((300, 6000))  # short or long conversations
-        actual = engine(work, decodes, context)
-        if i >= 200:
-            errs_seeing.append(abs(seeing.ttft_s(work, decodes, context) - actual) / actual)
-            errs_blind.append(abs(blind.ttft_s(work, decodes) - actual) / actual)
-        seeing.observe_ttft(work, decodes, actual, context)
-        blind.observe_ttft(work, decodes, actual)
-    p90 = sorted(errs_seeing)[int(0.9 * len(errs_seeing))]
-    assert p90 < 0.05 and p90 < 0.5 * sorted(errs_blind)[int(0.9 * len(errs_blind))]

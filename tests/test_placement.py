@@ -141,6 +141,8 @@ def test_prefix_index_charges_only_uncached_prefill_and_steers_placement():
     assert d.engine is a and second.work < 0.1 * 750  # ~95% of the prompt is cached on a
     assert a.prefix.match(second.blocks) == len(second.blocks)
     assert a.predicted_hit_rate > 0
+    # Cumulative tokens and expected-cached tokens: comparable with the engine's counters.
+    assert a.index_tokens == 1500 and 700 < a.index_cached_tokens < 750
 
 
 def test_prefix_index_memory_is_bounded_and_lru():

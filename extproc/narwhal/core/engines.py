@@ -30,13 +30,14 @@ class EngineState:
     decode: int = 0
     # Uncached prompt tokens of the requests in prefill here: the work ahead of the next.
     prefill_work: float = 0.0
-    # Prompt tokens of the requests placed here and not yet ended: the context the
-    # engine's steps attend over.
-    context_tokens: int = 0
     # Predicted output tokens of the requests placed here (output-length learning).
     decode_backlog: int = 0
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))
     predicted_hit_rate: float = 0.0  # recent share of dispatched prompts found in ``prefix``
+    # Cumulative prompt tokens dispatched here and the part the index expected cached:
+    # over any window, comparable with the engine's own prefix-cache counters.
+    index_tokens: float = 0.0
+    index_cached_tokens: float = 0.0
     # Admission margin for this engine: the p99 of recent measured/predicted TTFT ratios
     # (learning.py). Per engine: one engine's model error must not widen every margin.
     calibration: float = 1.0

@@ -41,8 +41,7 @@ class Learning:
         if t.failover:  # its wait includes the failed attempt: no sample of this engine
             return
         resets = e.model.drift_resets
-        e.model.observe_ttft(t.work_ahead, t.decodes_at_dispatch, now - t.dispatched_at,
-                             t.context_at_dispatch)
+        e.model.observe_ttft(t.work_ahead, t.decodes_at_dispatch, now - t.dispatched_at)
         # Drifted: measured again before it takes new work, unless it is the only engine
         # that can serve (its reopened model relearns from live traffic then: drift must
         # not become an outage).
@@ -76,8 +75,7 @@ class Learning:
             self.outputs.learn(t.output_keys, t.predicted_output, output_tokens)
 
     def probe(self, e: EngineState, m: Measurement, work_ahead: float, decodes: int) -> None:
-        e.model.observe_ttft(work_ahead + m.prompt_tokens, decodes, m.ttft_s,
-                             e.context_tokens + m.prompt_tokens)
+        e.model.observe_ttft(work_ahead + m.prompt_tokens, decodes, m.ttft_s)
         for seconds in m.intervals:
             e.model.observe_interval(decodes + 1, seconds)
 

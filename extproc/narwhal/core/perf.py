@@ -72,12 +72,10 @@ class Rls:
         return err
 
 
-def _ttft_features(work: float, decodes: int, context: float = 0.0) -> list[float]:
+def _ttft_features(work: float, decodes: int) -> list[float]:
     # Scaled so that the prior's variances are of one order: seconds per 1000 tokens.
-    # Each step also attends over the context of every sequence in it, so the slope grows
-    # with the sequences sharing the steps and with their context (prompt tokens).
     k = work / 1000
-    return [1.0, k, k * decodes / 100, k * context / 100_000]
+    return [1.0, k, k * decodes / 100]
 
 
 def _tpot_features(decodes: int) -> list[float]:
@@ -107,8 +105,8 @@ class PerfModel:
     def __post_init__(self) -> None:
         # Wide priors (a step of 1 s, 10 s per 1000 tokens are within one deviation): the
         # seeds are guesses, and a slow engine must be learned from its first few samples.
-        self.ttft = Rls([self.overhead_ms / 1000, 1000 / self.prefill_tps, 0.0, 0.0],
-                        [1.0, 100.0, 1.0, 1.0], TTFT_FORGET)
+        self.ttft = Rls([self.overhead_ms / 1000, 1000 / self.prefill_tps, 0.0],
+                        [1.0, 100.0, 1.0], TTFT_FORGET)
         self.tpot = Rls([self.tpot_ms / 1000, 0.0], [1.0, 1.0], TPOT_FORGET)
 
     # -- predictions -------------------------------------------------------------------
@@ -116,10 +114,10 @@ class PerfModel:
         """Prompt tokens the engine is expected to compute (its cache covers the rest)."""
         return tokens * (1.0 - self.hit_rate)
 
-    def ttft_s(self, work: float, decodes: int, context: float = 0.0) -> float:
+    def ttft_s(self, work: float, decodes: int) -> float:
         """Dispatch to first token with ``work`` uncached prefill tokens ahead and own,
-        ``decodes`` sequences sharing the steps and ``context`` prompt tokens in them."""
-        return max(MIN_TTFT_S, self.ttft.predict(_ttft_features(work, decodes, context)))
+        and ``decodes`` sequences sharing the steps."""
+        return max(MIN_TTFT_S, self.ttft.predict(_ttft_features(work, decodes)))
 
     def tpot_s(self, decodes: int) -> float:
         return max(1e-4, self.tpot.predict(_tpot_features(decodes)))
@@ -130,15 +128,14 @@ class PerfModel:
         return 1000 / slope if slope > 1e-9 else float("inf")
 
     # -- learning ----------------------------------------------------------------------
-    def observe_ttft(self, work: float, decodes: int, seconds: float,
-                     context: float = 0.0) -> float:
+    def observe_ttft(self, work: float, decodes: int, seconds: float) -> float:
         """One measured dispatch-to-first-token time; returns its relative error."""
-        predicted = self.ttft_s(work, decodes, context)
+        predicted = self.ttft_s(work, decodes)
         if seconds <= 0:
             return 0.0
         # Least squares on the *relative* error (each sample scaled by 1/seconds): short
         # and long prefills count alike, and the fit is the one admission needs.
-        self.ttft.update([v / seconds for v in _ttft_features(work, decodes, context)], 1.0)
+        self.ttft.update([v / seconds for v in _ttft_features(work, decodes)], 1.0)
         self.samples += 1
         err = (seconds - predicted) / seconds
         self.drift += DRIFT_EWMA * (err - self.drift)

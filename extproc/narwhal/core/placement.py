@@ -54,8 +54,7 @@ def project(e: EngineState, t: Ticket, extra_work: float = 0.0) -> Candidate:
         cached, work = 0.0, m.uncached(t.tokens)
     # The sequences sharing the engine's steps while this one waits: the decodes now, and
     # the requests ahead of it in prefill, which decode by the time its own prefill runs.
-    return Candidate(e, m.ttft_s(e.prefill_work + work + extra_work, e.decode + e.prefill,
-                                 e.context_tokens + t.tokens),
+    return Candidate(e, m.ttft_s(e.prefill_work + work + extra_work, e.decode + e.prefill),
                      m.tpot_s(e.decode + 1), work, cached)
 
 

@@ -38,8 +38,7 @@ class Ticket:
     dispatched_at: float = 0.0
     work: float = 0.0  # uncached prompt tokens on its engine
     work_ahead: float = 0.0  # the TTFT model's features at dispatch: work ahead + own,
-    decodes_at_dispatch: int = 0  # and the sequences sharing the engine's steps,
-    context_at_dispatch: int = 0  # and their prompt tokens (own included)
+    decodes_at_dispatch: int = 0  # and the sequences sharing the engine's steps
     predicted_ttft_s: float | None = None  # client-level projection at admission
     first_token_at: float | None = None
     done: bool = False
@@ -163,13 +162,13 @@ class Scheduler:
         t.work = picked.work
         if t.blocks:
             e.predicted_hit_rate += 0.05 * (picked.cached - e.predicted_hit_rate)
+            e.index_tokens += t.tokens
+            e.index_cached_tokens += t.tokens * picked.cached
             e.prefix.insert(t.blocks)
         e.prefill_work += t.work
         e.decode_backlog += t.predicted_output
         t.work_ahead = e.prefill_work
         t.decodes_at_dispatch = e.decode + e.prefill - 1  # as projected (placement.project)
-        e.context_tokens += t.tokens
-        t.context_at_dispatch = e.context_tokens
         return e
 
     def place_passthrough(self, now: float, candidates: frozenset[str] | None
@@ -197,8 +196,6 @@ class Scheduler:
         old.prefill -= 1
         old.prefill_work = max(0.0, old.prefill_work - t.work)
         old.decode_backlog = max(0, old.decode_backlog - t.predicted_output)
-        old.context_tokens = max(0, old.context_tokens - t.tokens)
-        new.context_tokens += t.tokens
         old.dispatched -= 1
         old.failovers += 1
         new.prefill += 1
@@ -274,7 +271,6 @@ class Scheduler:
         else:
             e.decode -= 1
         e.decode_backlog = max(0, e.decode_backlog - t.predicted_output)
-        e.context_tokens = max(0, e.context_tokens - t.tokens)
         if output_tokens is not None:
             self.learning.completed(t, output_tokens, last_token_at)
         if e.retired and e.in_flight == 0:
