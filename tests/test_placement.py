@@ -222,3 +222,27 @@ def test_with_a_tokenizer_the_prefix_index_cuts_token_blocks(tmp_path):
     assert a.prefix.match(second.blocks) >= 7
     assert 0.8 < project(a, second).cached <= 1.0
     assert r.sizer.tokens_per_block() == 16.0
+
+
+def test_prefix_index_memory_stays_bounded_over_a_million_distinct_prefixes():
+    """A soak of distinct prompts (every one new): the index's table stops growing at its
+    bound and the process does not keep growing either."""
+    import resource
+    import sys
+
+    from narwhal.core.prefix import PrefixIndex
+
+    idx = PrefixIndex(65536)
+
+    def feed(start: int, n: int) -> None:
+        for i in range(start, start + n):
+            h = hash(("prompt", i))
+            idx.insert([h, hash((h, 1)), hash((h, 2)), hash((h, 3))])
+
+    feed(0, 100_000)
+    table = sys.getsizeof(idx.blocks)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, the peak so far
+    feed(100_000, 900_000)
+    assert len(idx.blocks) == 65536 and idx.evictions == 4_000_000 - 65536
+    assert sys.getsizeof(idx.blocks) == table
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 32 * 1024
