@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -171,6 +173,24 @@ def app() -> web.Application:
     application.router.add_get("/_journal", journal)
     application.router.add_get("/healthz", healthz)
     return application
+
+
+def spawn() -> tuple[str, subprocess.Popen]:
+    """Start the stand-in as its own process on a free loopback port; return its URL and
+    the process once it answers. Stop it with ``kill()``: open watch streams would hold a
+    graceful stop."""
+    from narwhal.launch import REPO_ROOT, free_port, wait_http
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "integration.kubeapi", "--port", str(port)],
+                            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/healthz", 30, proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return url, proc
 
 
 def main() -> None:

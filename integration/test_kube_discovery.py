@@ -4,15 +4,14 @@ EndpointSlices, Pods and an InferencePool, and clients go through Envoy."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, wait_http
+from narwhal.launch import SimSpec, Stack
 
+from . import kubeapi
 from .conftest import MODEL, wait_for
 
 BODY = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
@@ -23,15 +22,11 @@ POOLS = "/apis/inference.networking.k8s.io/v1/namespaces/llm/inferencepools"
 
 @pytest.fixture(scope="module")
 def world() -> Iterator[dict]:
-    port = free_port()
-    api = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "integration.kubeapi", "--port", str(port)],
-                            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    api, proc = kubeapi.spawn()
     sims = Stack(sims=[SimSpec("k-a", args=["--engine-name", "a"]),
                        SimSpec("k-b", args=["--engine-name", "b"]),
                        SimSpec("k-c", args=["--engine-name", "c"])], model=MODEL)
     try:
-        wait_http(f"{api}/healthz", 30, proc)
         sims.start_sims()
         yield {"api": api, "proc": proc, "ports": {s.name[-1]: s.port for s in sims.sims}}
     finally:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,8 +21,9 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, wait_http
+from narwhal.launch import SimSpec, Stack
 
+from . import kubeapi
 from .conftest import MODEL, wait_for
 
 LEASE_MS, RENEW_MS, RETRY_MS = 2000, 1500, 250
@@ -68,14 +68,10 @@ def _load(cluster: Cluster, name: str, url: str) -> None:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    port = free_port()
-    api = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "integration.kubeapi", "--port", str(port)],
-                            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    api, proc = kubeapi.spawn()
     sim = Stack(sims=[SimSpec("sim-le", args=["--tpot-ms", "1"])], model=MODEL).start_sims()
     c = Cluster(api, proc, sim)
     try:
-        wait_http(f"{api}/healthz", 30, proc)
         engine = [{"name": "sim-le", "url": f"http://127.0.0.1:{sim.sims[0].port}"}]
         for name in ("replica-a", "replica-b", "replica-c"):
             c.replicas[name] = Stack(sims=[], model=MODEL, wait_ready=False, config={
