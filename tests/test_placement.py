@@ -29,6 +29,14 @@ def ticket(tokens: int = 1000, tpot_s: float | None = None) -> Ticket:
     return Ticket(None, tokens, 100.0, 60.0, 160.0, tpot_budget_s=tpot_s)
 
 
+def chat_ticket(r: Router, system: dict, question: str, tokens: int) -> Ticket:
+    """A sized chat request with a system prompt, annotated for the prefix index."""
+    t = ticket(tokens)
+    r.scheduler.annotate(t, True, {"messages": [system, {"role": "user", "content": question}]},
+                         64)
+    return t
+
+
 def test_the_default_profile_picks_the_shortest_projected_ttft():
     r = router()
     d = r.scheduler.admit(ticket(), 100.0)
@@ -126,10 +134,7 @@ def test_prefix_index_charges_only_uncached_prefill_and_steers_placement():
     system = {"role": "system", "content": "You are a careful assistant. " * 100}  # 2.9 kB
 
     def t_for(question: str) -> Ticket:
-        t = ticket(750)
-        r.scheduler.annotate(t, True, {"messages": [system, {"role": "user",
-                                                            "content": question}]}, 64)
-        return t
+        return chat_ticket(r, system, question, 750)
 
     first = t_for("first?")
     assert r.scheduler.admit(first, 100.0).engine is a  # tie: the first listed
@@ -179,10 +184,7 @@ def test_prefix_affinity_scorer_is_gated_by_load():
     system = {"role": "system", "content": "You are a careful assistant. " * 100}
 
     def t_for(question: str) -> Ticket:
-        t = ticket(750)
-        r.scheduler.annotate(t, True, {"messages": [system, {"role": "user",
-                                                            "content": question}]}, 64)
-        return t
+        return chat_ticket(r, system, question, 750)
 
     a.prefix.insert(t_for("warm").blocks)
     b.decode_backlog = 10  # without affinity, decode-load would choose a
@@ -209,10 +211,7 @@ def test_with_a_tokenizer_the_prefix_index_cuts_token_blocks(tmp_path):
     system = {"role": "system", "content": " ".join(words * 10)}  # 120 words: 7 token blocks
 
     def t_for(question: str) -> Ticket:
-        t = ticket(200)
-        r.scheduler.annotate(t, True, {"messages": [system, {"role": "user",
-                                                            "content": question}]}, 64)
-        return t
+        return chat_ticket(r, system, question, 200)
 
     first = t_for("ice")
     assert first.block_units == 16 and len(first.blocks) == first.prompt_units // 16
