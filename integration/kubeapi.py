@@ -99,6 +99,9 @@ def app() -> web.Application:
         prefix, plural, ns, api_version = where(request)
         name = request.match_info["name"]
         key = (prefix, plural, ns, name)
+        # The body first: the version check and the write below must not be separated by
+        # an await, or two writers of one resourceVersion could both succeed.
+        obj = await request.json() if request.method == "PUT" else None
         current = store.objects.get(key)
         what = f'{plural} "{name}"'
         if request.method == "GET":
@@ -107,8 +110,7 @@ def app() -> web.Application:
             if current is None:
                 return status(404, "NotFound", f"{what} not found")
             return _json(await store._commit("delete", key, dict(current), api_version))
-        obj = await request.json()
-        if current is None:
+        if current is None or obj is None:
             return status(404, "NotFound", f"{what} not found")
         wanted = (obj.get("metadata") or {}).get("resourceVersion")
         if wanted and wanted != current["metadata"]["resourceVersion"]:
