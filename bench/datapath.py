@@ -1,22 +1,30 @@
-"""Data-path benchmark: Envoy alone vs Envoy -> Narwhal, side by side in one run.
+"""Data-path benchmark: what Narwhal costs next to the proxy it sits in and a peer router,
+side by side in one run.
 
     python -m bench.datapath [--duration S] [--reps N] [--connections C]
-                             [--transports asyncio,grpcio] [--slots wide|default]
+                             [--configs default,wide] [--transport asyncio|grpcio]
+                             [--plot PATH]
 
-(a) short requests (16 tokens) against an instant engine, non-streaming and
-    streaming: requests/s of both paths, their ratio, Narwhal CPU µs per request;
-(b) paced streams (5 ms per token, 64 tokens, 64 concurrent clients): Narwhal CPU
-    µs per streamed token event.
+Paths, each against its own simulator of the same kind:
+  envoy        Envoy alone, proxying to the simulator (bench/envoy-direct.yaml)
+  vllm-router  the PyPI Rust router users pick instead (round robin over one engine)
+  narwhal      Envoy + Narwhal, per config: ``default`` (the shipped scheduler settings:
+               4 prefill slots per engine, requests beyond them queue in Narwhal) and
+               ``wide`` (slots wide enough for every client, as through Envoy alone)
 
-CPU is the Narwhal process's own utime+stime from /proc, so load-generator and Envoy
-CPU are not charged to it. Load comes from wrk (Debian package `wrk`). Runs
-alternate between the two paths and the medians are reported, because a 2-core
-machine is noisy.
+Workloads: (a) 16-token chat completions against an instant engine, non-streaming and
+streaming, ``--connections`` wrk connections; (b) paced streams, 5 ms per token x 64
+tokens x 64 clients. For each path: requests (or token events) per second and the CPU
+time of each of its processes per request (per event), from /proc utime+stime, so the
+load generator and the simulator are not charged. Runs alternate between paths and
+medians are reported, because a 2-core machine is noisy. Ratios are to Envoy alone's CPU
+in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -24,17 +32,21 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
 
-from narwhal.launch import REPO_ROOT, SimSpec, Stack, plain_envoy
+from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, plain_envoy, wait_http
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # Phase slots wide enough that every client's request is in flight at once, as it is
-# through Envoy alone: this benchmark measures the data path, not admission queueing.
-SLOTS = {"max_prefill_per_engine": 128, "max_decode_per_engine": 256}
+# through Envoy alone.
+WIDE = {"max_prefill_per_engine": 128, "max_decode_per_engine": 256}
 MODEL = "narwhal-sim"
+PACED_TOKENS = 64
+PACED_CLIENTS = 64
 
 
 def cpu_seconds(pid: int) -> float:
@@ -42,107 +54,245 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def wrk(url: str, body: dict, seconds: float, connections: int, workdir: Path) -> tuple[int, float]:
+def tree_cpu(pid: int) -> float:
+    """A process and its children's CPU (vllm-router's launcher runs the router)."""
+    total = cpu_seconds(pid)
+    for child in Path(f"/proc/{pid}/task").glob("*/children"):
+        for c in child.read_text().split():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                total += tree_cpu(int(c))
+    return total
+
+
+@dataclass
+class Route:
+    """One way from the client to the engine: its URL and the processes charged."""
+
+    name: str
+    url: str
+    pids: dict[str, int]  # role -> pid
+    stop: Callable[[], None]
+    rps: list[float] = field(default_factory=list)
+    cpu_us: dict[str, list[float]] = field(default_factory=dict)  # role -> per unit
+    errors: int = 0
+
+
+def wrk(url: str, body: dict, seconds: float, connections: int, workdir: Path
+        ) -> tuple[int, float, int]:
     script = workdir / "post.lua"
     script.write_text(
         'wrk.method = "POST"\n'
         f"wrk.body = {orjson.dumps(orjson.dumps(body).decode()).decode()}\n"
         'wrk.headers["Content-Type"] = "application/json"\n')
-    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency",
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s",
                           "-s", str(script), url], capture_output=True, text=True, check=True)
     text = out.stdout
-    if "Non-2xx" in text:
-        raise SystemExit(f"wrk saw errors against {url}:\n{text}")
     count = int(re.search(r"(\d+) requests in", text).group(1))
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))
-    return count, rps
+    bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", text)
+    return count, rps, int(bad.group(1)) if bad else 0
 
 
-def short_requests(args: argparse.Namespace, workdir: Path, transport: str) -> list[str]:
-    stack = Stack(sims=[SimSpec("instant")], model=MODEL,
-                  config={"serving": {"transport": transport},
-                          "scheduler": SLOTS if args.slots == "wide" else {}}).start()
+def vllm_router(sim_port: int, workdir: Path) -> tuple[subprocess.Popen, int]:
+    exe = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+    port = free_port()
+    log = open(workdir / "vllm-router.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([exe, "--host", "127.0.0.1", "--port", str(port),
+                             "--policy", "round_robin",
+                             "--worker-urls", f"http://127.0.0.1:{sim_port}",
+                             "--prometheus-port", str(free_port()), "--log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_http(f"http://127.0.0.1:{port}/health", 60, proc)
+    return proc, port
+
+
+def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
+                peer: bool) -> list[Route]:
+    paths: list[Route] = []
+    stacks = {}
+    for cfg in configs:
+        stack = Stack(sims=[sim], model=MODEL,
+                      config={"serving": {"transport": transport},
+                              "scheduler": WIDE if cfg == "wide" else {}}).start()
+        stacks[cfg] = stack
+    # Envoy alone and the peer proxy to the first stack's simulator.
+    sim_port = next(iter(stacks.values())).sims[0].port
     envoy, direct_port = plain_envoy(REPO_ROOT / "bench" / "envoy-direct.yaml", workdir,
-                                     [stack.sims[0].port])
-    narwhal_pid = stack.proc("narwhal").popen.pid
-    rows = []
-    try:
-        for stream in (False, True):
-            body = {"model": MODEL, "max_tokens": 16, "stream": stream,
-                    "messages": [{"role": "user", "content": "hello there"}]}
-            path = "/v1/chat/completions"
-            wrk(f"{stack.url}{path}", body, 1, args.connections, workdir)  # warm both paths
-            wrk(f"http://127.0.0.1:{direct_port}{path}", body, 1, args.connections, workdir)
-            alone, via, cpu_us = [], [], []
-            for _ in range(args.reps):
-                alone.append(wrk(f"http://127.0.0.1:{direct_port}{path}", body, args.duration,
-                                 args.connections, workdir)[1])
-                c0 = cpu_seconds(narwhal_pid)
-                n, rps = wrk(f"{stack.url}{path}", body, args.duration, args.connections, workdir)
-                cpu_us.append((cpu_seconds(narwhal_pid) - c0) / n * 1e6)
-                via.append(rps)
-            a, v, c = (statistics.median(x) for x in (alone, via, cpu_us))
-            rows.append(f"{transport:8} (a) {'streaming' if stream else 'non-streaming':13}  "
-                        f"envoy alone "
-                        f"{a:8.0f} req/s   via narwhal {v:8.0f} req/s   ratio {v / a:6.1%}   "
-                        f"narwhal CPU {c:6.0f} us/request")
-    finally:
+                                     [sim_port])
+
+    def stop_envoy() -> None:
         envoy.terminate()
         envoy.wait()
-        stack.stop()
+
+    paths.append(Route("envoy", f"http://127.0.0.1:{direct_port}",
+                       {"envoy": envoy.pid}, stop_envoy))
+    if peer:
+        router, router_port = vllm_router(sim_port, workdir)
+
+        def stop_router() -> None:
+            router.terminate()
+            router.wait()
+
+        paths.append(Route("vllm-router", f"http://127.0.0.1:{router_port}",
+                           {"vllm-router": router.pid}, stop_router))
+    for cfg, stack in stacks.items():
+        paths.append(Route(f"narwhal-{cfg}", stack.url,
+                           {"envoy": stack.proc("envoy").popen.pid,
+                            "narwhal": stack.proc("narwhal").popen.pid}, stack.stop))
+    return paths
+
+
+def measure(paths: list[Route], body: dict, connections: int, units_per_request: int,
+            args: argparse.Namespace, workdir: Path) -> None:
+    path = "/v1/chat/completions"
+    for p in paths:  # warm every path
+        wrk(p.url + path, body, 1, connections, workdir)
+    for _ in range(args.reps):
+        for p in paths:
+            c0 = {role: tree_cpu(pid) for role, pid in p.pids.items()}
+            n, rps, bad = wrk(p.url + path, body, args.duration, connections, workdir)
+            p.errors += bad
+            p.rps.append(rps)
+            for role, pid in p.pids.items():
+                used = tree_cpu(pid) - c0[role]
+                p.cpu_us.setdefault(role, []).append(used / max(1, n * units_per_request) * 1e6)
+
+
+@dataclass
+class Row:
+    workload: str
+    unit: str  # "request" or "token event"
+    path: str
+    rate: float
+    cpu: dict[str, float]  # role -> median µs per unit
+    errors: int
+
+
+def rows_of(workload: str, unit: str, paths: list[Route], per_unit: int) -> list[Row]:
+    return [Row(workload, unit, p.name, statistics.median(p.rps) * per_unit,
+                {role: statistics.median(v) for role, v in p.cpu_us.items()}, p.errors)
+            for p in paths]
+
+
+def run_workload(sim: SimSpec, workloads: list[tuple[str, dict, int, int]],
+                 args: argparse.Namespace, workdir: Path) -> list[Row]:
+    paths = start_paths(sim, args.configs.split(","), args.transport, workdir, args.peer)
+    rows: list[Row] = []
+    try:
+        for name, body, connections, per_unit in workloads:
+            for p in paths:
+                p.rps.clear()
+                p.cpu_us.clear()
+                p.errors = 0
+            measure(paths, body, connections, per_unit, args, workdir)
+            rows += rows_of(name, "token event" if per_unit > 1 else "request", paths, per_unit)
+    finally:
+        for p in paths:
+            p.stop()
     return rows
 
 
-def paced_streams(args: argparse.Namespace, workdir: Path, transport: str) -> list[str]:
-    tokens = 64
-    stack = Stack(sims=[SimSpec("paced", args=["--tpot-ms", "5", "--max-num-seqs", "1024"])],
-                  model=MODEL,
-                  config={"serving": {"transport": transport},
-                          "scheduler": SLOTS if args.slots == "wide" else {}}).start()
-    narwhal_pid = stack.proc("narwhal").popen.pid
-    body = {"model": MODEL, "max_tokens": tokens, "stream": True,
-            "messages": [{"role": "user", "content": "hello there"}]}
-    try:
-        url = f"{stack.url}/v1/chat/completions"
-        wrk(url, body, 1, 64, workdir)
-        per_event, rates = [], []
-        for _ in range(args.reps):
-            c0 = cpu_seconds(narwhal_pid)
-            n, rps = wrk(url, body, args.duration, 64, workdir)
-            per_event.append((cpu_seconds(narwhal_pid) - c0) / (n * tokens) * 1e6)
-            rates.append(rps * tokens)
-    finally:
-        stack.stop()
-    return [f"{transport:8} (b) paced streams  5 ms/token x {tokens} tokens x 64 clients: "
-            f"{statistics.median(rates):7.0f} token events/s   narwhal CPU "
-            f"{statistics.median(per_event):5.1f} us/token event"]
+def report(rows: list[Row]) -> list[str]:
+    out = []
+    for workload in dict.fromkeys(r.workload for r in rows):
+        group = [r for r in rows if r.workload == workload]
+        base = next(r for r in group if r.path == "envoy")
+        envoy_cpu = base.cpu["envoy"]
+        unit = base.unit
+        out.append(f"\n{workload}  (CPU us per {unit}; ratio to Envoy alone's CPU)")
+        out.append(f"  {'path':16} {'rate/s':>9} {'vs envoy':>9}   {'envoy':>14} "
+                   f"{'narwhal':>14} {'peer':>14} {'whole path':>14}")
+        for r in group:
+            total = sum(r.cpu.values())
+
+            def cell(role: str, r: Row = r, base_cpu: float = envoy_cpu) -> str:
+                v = r.cpu.get(role)
+                return f"{v:7.1f} {v / base_cpu:5.2f}x" if v is not None else " " * 14
+
+            err = f"   ({r.errors} non-2xx)" if r.errors else ""
+            out.append(f"  {r.path:16} {r.rate:9.0f} {r.rate / base.rate:8.1%}   "
+                       f"{cell('envoy')} {cell('narwhal')} {cell('vllm-router')} "
+                       f"{total:7.1f} {total / envoy_cpu:5.2f}x{err}")
+    return out
+
+
+def capacity(rows: list[Row]) -> list[str]:
+    """On paper: how much one core of Narwhal serves, from the measured costs."""
+    def cost(workload: str, path: str) -> float | None:
+        r = next((r for r in rows if r.workload == workload and r.path == path), None)
+        return None if r is None else r.cpu.get("narwhal")
+
+    per_req = cost("non-streaming", "narwhal-default") or cost("non-streaming", "narwhal-wide")
+    per_event = cost("paced streams", "narwhal-default") or cost("paced streams", "narwhal-wide")
+    if per_req is None or per_event is None:
+        return []
+    # A GPU serving a mid-size model streams ~2,500 tokens/s and finishes ~10 requests/s
+    # (e.g. 250-token answers at batch 32): per-GPU Narwhal load is events + requests.
+    per_gpu_us = 2500 * per_event + 10 * per_req
+    return [f"\ncapacity on paper: {per_req:.0f} us/request + {per_event:.1f} us/token event"
+            f" -> one core serves ~{1e6 / per_gpu_us:.0f} GPUs at 2,500 token events/s and"
+            f" 10 requests/s each"]
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r.workload for r in rows))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4))
+    for ax, workload in zip(axes, workloads, strict=True):
+        group = [r for r in rows if r.workload == workload]
+        roles = ["envoy", "narwhal", "vllm-router"]
+        bottom = [0.0] * len(group)
+        for role in roles:
+            vals = [r.cpu.get(role, 0.0) for r in group]
+            ax.bar([r.path for r in group], vals, bottom=bottom, label=role)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax.set_title(workload)
+        ax.set_ylabel(f"CPU us per {group[0].unit}")
+        ax.tick_params(axis="x", rotation=30)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per run")
     parser.add_argument("--reps", type=int, default=3, help="runs per path (median reported)")
-    parser.add_argument("--connections", type=int, default=16, help="wrk connections for (a)")
-    parser.add_argument("--transports", default="asyncio,grpcio",
-                        help="serving.transport values to measure, comma-separated")
-    parser.add_argument("--slots", choices=["wide", "default"], default="wide",
-                        help="phase slots: wide enough for every client at once, or the "
-                             "default configuration's (requests then queue in Narwhal)")
+    parser.add_argument("--connections", type=int, default=8, help="wrk connections for (a)")
+    parser.add_argument("--configs", default="default,wide",
+                        help="Narwhal scheduler configs to measure: default, wide")
+    parser.add_argument("--transport", default="asyncio", choices=["asyncio", "grpcio"])
+    parser.add_argument("--no-peer", dest="peer", action="store_false",
+                        help="leave vllm-router out")
+    parser.add_argument("--plot", type=Path, help="write a PNG of CPU per unit by path")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         print("bench: wrk not found (apt-get install wrk)", file=sys.stderr)
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="narwhal-bench-"))
-    rows = []
-    for transport in args.transports.split(","):
-        rows += short_requests(args, workdir, transport) + paced_streams(args, workdir, transport)
+    short = {"model": MODEL, "max_tokens": 16,
+             "messages": [{"role": "user", "content": "hello there"}]}
+    rows = run_workload(SimSpec("instant"), [
+        ("non-streaming", short | {"stream": False}, args.connections, 1),
+        ("streaming", short | {"stream": True}, args.connections, 1)], args, workdir)
+    paced = short | {"stream": True, "max_tokens": PACED_TOKENS}
+    rows += run_workload(SimSpec("paced", args=["--tpot-ms", "5", "--max-num-seqs", "1024"]),
+                         [("paced streams", paced, PACED_CLIENTS, PACED_TOKENS)], args, workdir)
     loop = os.environ.get("NARWHAL_LOOP", "uvloop")
-    print(f"Narwhal data-path benchmark ({os.cpu_count()} CPUs, loop {loop}, medians of "
-          f"{args.reps} x {args.duration:g}s)")
-    print(f"reproduce: python -m bench.datapath --duration {args.duration:g} --reps {args.reps} "
-          f"--connections {args.connections} --transports {args.transports} --slots {args.slots}")
-    for row in rows:
-        print(row)
+    print(f"Narwhal data-path benchmark ({os.cpu_count()} CPUs, loop {loop}, transport "
+          f"{args.transport}, medians of {args.reps} x {args.duration:g}s)")
+    print(f"reproduce: python -m bench.datapath --duration {args.duration:g} --reps {args.reps}"
+          f" --connections {args.connections} --configs {args.configs}"
+          f" --transport {args.transport}" + ("" if args.peer else " --no-peer"))
+    for line in report(rows) + capacity(rows):
+        print(line)
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"\nplot: {args.plot}")
     return 0
 
 

@@ -6,47 +6,42 @@ from narwhal.core.closes import CloseVerdicts
 from narwhal.core.errors import CANCELLED, FAILED
 
 
-class Timers:
-    def __init__(self) -> None:
-        self.calls: list = []
-
-    def call_later(self, delay, callback):
-        self.calls.append((delay, callback))
-
-
 def test_verdict_after_close():
-    timers = Timers()
-    v = CloseVerdicts(1.0, timers)
+    v = CloseVerdicts(1.0)
     got = []
-    v.closed("r1", got.append)
-    assert got == [] and timers.calls[0][0] == 1.0
+    v.closed("r1", got.append, 10.0)
+    assert got == [] and v.wake_at() == 11.0
     v.logged("r1", FAILED)
-    assert got == [FAILED]
-    timers.calls[0][1]()  # the fallback fires later: nothing more
+    assert got == [FAILED] and v.wake_at() is None
+    v.expire(12.0)  # the wait would have run out later: nothing more
     assert got == [FAILED]
 
 
-def test_no_verdict_counts_cancelled():
-    timers = Timers()
-    v = CloseVerdicts(1.0, timers)
+def test_no_verdict_counts_cancelled_when_the_wait_runs_out():
+    v = CloseVerdicts(1.0)
     got = []
-    v.closed("r1", got.append)
-    timers.calls[0][1]()
-    assert got == [CANCELLED] and not v.pending
+    v.closed("r1", got.append, 10.0)
+    v.closed("r2", got.append, 10.5)
+    v.expire(10.99)
+    assert got == []
+    v.expire(11.0)
+    assert got == [CANCELLED] and v.wake_at() == 11.5
+    v.expire(11.5)
+    assert got == [CANCELLED, CANCELLED] and not v.pending and v.wake_at() is None
 
 
 def test_verdict_before_close_is_kept_bounded():
-    v = CloseVerdicts(1.0, Timers(), capacity=2)
+    v = CloseVerdicts(1.0, capacity=2)
     for rid in ("a", "b", "c"):
         v.logged(rid, FAILED)
     assert list(v.early) == ["b", "c"]
     got = []
-    v.closed("c", got.append)
+    v.closed("c", got.append, 0.0)
     assert got == [FAILED]
 
 
 def test_without_a_request_id_or_a_wait_it_is_cancelled_at_once():
     got = []
-    CloseVerdicts(1.0, Timers()).closed("", got.append)
-    CloseVerdicts(0.0, Timers()).closed("r", got.append)
+    CloseVerdicts(1.0).closed("", got.append, 0.0)
+    CloseVerdicts(0.0).closed("r", got.append, 0.0)
     assert got == [CANCELLED, CANCELLED]

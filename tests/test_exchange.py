@@ -8,6 +8,7 @@ import pytest
 from narwhal.config import parse
 from narwhal.core.exchange import DESTINATION_HEADER, Body, Exchange, Headers, Immediate, Trailers
 from narwhal.core.router import Router
+from narwhal.server.driver import Driver, Runtime
 from narwhal.sim.generate import SimOptions, make_plan, stream_events
 
 BODY = orjson.dumps({"model": "narwhal-sim", "messages": [{"role": "user", "content": "hi"}],
@@ -284,79 +285,83 @@ def test_too_deep_body_is_a_400(router):
     assert imm.error.status == 400 and "deeper" in imm.error.message
 
 
-def test_failure_at_queue_dispatch_stays_in_its_request(router, monkeypatch):
-    """A request failing when the queue wakes it must not raise into the caller's turn."""
-    ex = Exchange(router)
-    sent = []
-    ex.sink = sent.append
-    ex.request_headers(HDRS, False)
-    ex.request_body(BODY, True)
+class NoTimers:
+    def call_later(self, delay, callback):
+        return self
+
+    def cancel(self):
+        pass
+
+
+def ready(r: Router) -> Router:
+    for e in r.engines:
+        e.healthy = e.checked = e.profiled = True
+        e.telemetry_at = r.clock()
+    r.started = True
+    return r
+
+
+def test_failure_at_queue_dispatch_stays_in_its_request(monkeypatch):
+    """A request failing when the queue places it must not raise into the turn that
+    freed the slot (another exchange's), and must not harm that exchange."""
+    router = ready(Router(parse({"admission": {"mode": "open"},
+                                 "scheduler": {"max_prefill_per_engine": 1,
+                                               "max_decode_per_engine": 1},
+                                 "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]})))
+    runtime = Runtime(router, NoTimers())
+    first, second = [], []
+    d1, d2 = Driver(runtime, first.extend), Driver(runtime, second.extend)
+    for d in (d1, d2):
+        d.step(d.ex.request_headers, HDRS, False)
+        d.step(d.ex.request_body, BODY, True)
+    assert [type(a) for a in first] == [Headers, Body] and second == []
 
     def boom(self):
         raise RuntimeError("bug")
 
     monkeypatch.setattr(Exchange, "_upstream", boom)
-    ex.dispatched_from_queue()  # must not raise
-    (imm,) = sent[0]
-    assert imm.error.status == 500 and router.accounting.terminal["failed"] == 1
-
-
-class FakeTimers:
-    def __init__(self) -> None:
-        self.armed: list[tuple[float, object]] = []
-
-    def call_later(self, delay, callback):
-        entry = [delay, callback, False]
-        self.armed.append(entry)
-
-        class Handle:
-            def cancel(self_inner):
-                entry[2] = True
-        return Handle()
-
-    def fire_latest(self):
-        delay, callback, cancelled = self.armed[-1]
-        assert not cancelled
-        callback()
+    d1.closed()  # frees the slot: the queue places the second, which fails alone
+    (imm,) = second
+    assert imm.error.status == 500
+    assert router.accounting.terminal["failed"] == 1
+    assert router.accounting.terminal["cancelled"] == 1 and router.dispatched == []
 
 
 def stall_router(clock) -> Router:
-    r = Router(parse({"serving": {"engine_stall_timeout_ms": 1000},
-                      "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]}),
-               clock=clock, timers=FakeTimers())
-    for e in r.engines:
-        e.healthy = e.checked = e.profiled = True
-        e.telemetry_at = clock()
-    r.started = True
-    return r
+    return ready(Router(parse({"serving": {"engine_stall_timeout_ms": 1000},
+                               "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]}),
+                        clock=clock))
 
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_stalled_engine_fails_the_request_and_frees_its_slot(stream):
+    """The exchange says when it wants to be woken (``wake_at``); woken early, it asks
+    again for later; woken after the stall, it fails the request."""
     now = [100.0]
     router = stall_router(lambda: now[0])
     ex = Exchange(router)
-    sent = []
-    ex.sink = sent.append
     up = admit(ex, orjson.dumps(orjson.loads(BODY) | {"stream": stream}))
     ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
     first = engine_stream(up).split(b"\n\n")
     ex.response_body(first[0] + b"\n\n" + first[1] + b"\n\n", False)
     assert router.engines[0].decode == 1
+    armed = ex.wake_at
+    assert armed is not None
     now[0] += 0.6
     ex.response_body(first[2] + b"\n\n", False)  # activity: the stall clock restarts
-    now[0] += 0.6
-    router.timers.fire_latest()
-    assert sent == []  # 0.6 s of silence only: re-armed
-    now[0] += 0.5
-    router.timers.fire_latest()
-    (actions,) = sent
+    assert ex.wake_at == armed  # lazily: tokens cost no timer work
+    now[0] = armed
+    assert ex.expire() == []  # 0.6 s of silence only: asks again for later
+    assert ex.wake_at == pytest.approx(100.6 + 1.0)
+    now[0] = ex.wake_at
+    actions = ex.expire()
     if stream:
         (body,) = actions
         assert body.end_of_stream and b"engine_stalled" in body.data
     else:
         (imm,) = actions
         assert imm.error.status == 504 and imm.error.code == "engine_stalled"
+    assert ex.wake_at is None
     assert router.accounting.terminal["failed"] == 1
     assert router.engines[0].in_flight == 0 and router.accounting.in_flight == 0
 
@@ -369,6 +374,7 @@ def test_close_mid_response_frees_slots_now_and_counts_when_envoy_says(router):
     ex.response_body(engine_stream(up).split(b"\n\n")[1] + b"\n\n", False)
     router.closes.wait_s = 1.0
     ex.close()
+    assert router.closes.wake_at() == pytest.approx(router.clock() + 1.0, abs=0.5)
     acct = router.accounting
     assert router.engines[0].in_flight == 0 and router.held == 0  # released at once
     assert acct.in_flight == 1 and acct.balanced()  # the terminal waits for the verdict

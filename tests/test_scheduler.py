@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import orjson
 import pytest
 
@@ -11,6 +13,7 @@ from narwhal.core.placement import project
 from narwhal.core.router import Router
 from narwhal.core.scheduler import Dispatch, Queued, Refuse, Ticket
 from narwhal.core.sizing import Sizer
+from narwhal.server.driver import Driver, Runtime
 from narwhal.server.telemetry import parse_vllm_metrics
 
 HDRS = {":path": "/v1/chat/completions", ":method": "POST"}
@@ -52,7 +55,8 @@ def make_router(**sections) -> tuple[Router, Clock, ManualTimers]:
     cfg = {"engines": [{"name": "fast", "url": "http://127.0.0.1:1", "prefill_tps": 4000},
                        {"name": "slow", "url": "http://127.0.0.1:2", "prefill_tps": 1000}]}
     cfg.update(sections)
-    router = Router(parse(cfg), clock=clock, timers=timers)
+    router = Router(parse(cfg), clock=clock)
+    RUNTIMES[router] = Runtime(router, timers)
     router.started = True
     for e in router.engines:
         e.healthy = e.checked = e.profiled = True
@@ -64,14 +68,24 @@ def body(tokens: int, **extra) -> bytes:
     return orjson.dumps({"messages": [{"role": "user", "content": "abcd" * tokens}]} | extra)
 
 
+# Each test router's adapter side (server.driver), which sends what the core returns.
+RUNTIMES: weakref.WeakKeyDictionary[Router, Runtime] = weakref.WeakKeyDictionary()
+
+
 def start(router: Router, tokens: int, headers: dict | None = None) -> tuple[Exchange, list]:
-    ex = Exchange(router)
+    """A request driven as the gRPC adapter drives it; the list collects every action
+    sent for it, including those sent later (queue dispatch, expiry)."""
     sent: list = []
-    ex.sink = sent.extend
-    out = ex.request_headers(HDRS | (headers or {}), False)
-    if out:
-        return ex, out
-    return ex, ex.request_body(body(tokens), True) or sent
+    d = Driver(RUNTIMES[router], sent.extend)
+    d.step(d.ex.request_headers, HDRS | (headers or {}), False)
+    if not sent:
+        d.step(d.ex.request_body, body(tokens), True)
+    return d.ex, sent
+
+
+def close(router: Router, ex: Exchange) -> None:
+    """The exchange's ext_proc stream ends."""
+    RUNTIMES[router].live[ex].closed()
 
 
 def ticket(router: Router, tokens: int, budget_s: float = 2.0) -> Ticket:
@@ -168,12 +182,12 @@ def test_retention_limit():
     assert isinstance(out1[0], Headers)
     _, out2 = start(router, 10)
     assert isinstance(out2[0], Immediate) and out2[0].error.code == "retention_full"
-    ex1.close()
+    close(router, ex1)
     _, out3 = start(router, 10)
     assert isinstance(out3[0], Headers)
 
 
-def test_queued_exchange_dispatches_through_its_sink_when_a_slot_frees():
+def test_queued_exchange_is_sent_upstream_when_a_slot_frees():
     router, clock, timers = make_router(admission={"mode": "open"},
                                         scheduler={"max_prefill_per_engine": 1,
                                                    "max_decode_per_engine": 1})
@@ -181,8 +195,10 @@ def test_queued_exchange_dispatches_through_its_sink_when_a_slot_frees():
     ex2, _ = start(router, 10)
     ex3, out3 = start(router, 10)
     assert out3 == []  # queued
-    ex1.close()  # slot freed: ex3 goes upstream through its sink
+    assert router.dispatched == []
+    close(router, ex1)  # slot freed: the core places ex3, the adapter sends it
     assert [type(a) for a in out3] == [Headers, Body]
+    assert router.dispatched == [] and ex3.wake_at == ex3.deadline
     assert router.accounting.terminal["cancelled"] == 1
 
 
@@ -206,10 +222,8 @@ def test_deadline_after_dispatch_before_response_headers():
     router, clock, timers = make_router()
     ex, out = start(router, 10, {"x-request-timeout-ms": "300"})
     assert isinstance(out[0], Headers)
-    sent: list = []
-    ex.sink = sent.extend
     timers.advance(0.3)
-    assert sent[0].error.status == 504
+    assert out[-1].error.status == 504
     assert router.engines[0].in_flight == 0 and router.held == 0
 
 

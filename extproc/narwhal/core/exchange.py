@@ -2,13 +2,14 @@
 
 The gRPC adapter calls one method per ext_proc message and sends back the actions
 returned, in order. The exchange owns the request from its arrival to exactly one
-terminal class.
+terminal class. It schedules nothing: ``wake_at`` says when it wants ``expire`` called,
+and a queued request the scheduler placed is sent when the adapter calls
+``dispatched_from_queue`` (it finds such requests in ``Router.take_dispatched``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -22,7 +23,7 @@ from .meter import EngineErrorEvent, EngineOutputError, Meter
 from .record import ExchangeRecord
 from .relay import DONE, Relay
 from .request import COMPLETION_PATHS, CompletionRequest, parse_request, upstream_body
-from .router import Router, TimerHandle
+from .router import Router
 from .scheduler import Dispatch, Queued, Refuse, Ticket
 from .sse import SSEError, SSEParser
 from .tokens import TokenIdError
@@ -96,7 +97,7 @@ class Exchange:
     __slots__ = ("router", "phase", "completion", "path", "buf", "request", "engine", "meter",
                  "relay", "assembler", "parser", "status", "terminal", "sized", "upstream_error",
                  "request_ended", "request_bytes", "response_bytes", "held", "arrival",
-                 "deadline", "budget_s", "tpot_budget_s", "ticket", "timer", "sink", "client_headers_sent",
+                 "deadline", "budget_s", "tpot_budget_s", "ticket", "wake_at", "client_headers_sent",
                  "last_token_at", "strip", "engine_seen", "request_id", "candidates",
                  "decided_at", "ended_at", "error_code", "trace_headers", "recorded")
 
@@ -125,9 +126,7 @@ class Exchange:
         self.budget_s = 0.0
         self.tpot_budget_s: float | None = None
         self.ticket: Ticket | None = None
-        self.timer: TimerHandle | None = None
-        # Where actions go that no ext_proc message prompted (queue dispatch, expiry).
-        self.sink: Callable[[list[Action]], None] = _drop
+        self.wake_at: float | None = None  # when ``expire`` must run (the adapter's timer)
         self.client_headers_sent = False
         self.last_token_at = 0.0
         self.strip: list[str] = []  # client headers not to forward
@@ -269,17 +268,18 @@ class Exchange:
         assert isinstance(decision, Dispatch)
         return self._upstream()
 
-    def dispatched_from_queue(self) -> None:
-        """The scheduler placed this queued request: send it upstream now. Called from
+    def dispatched_from_queue(self) -> list[Action]:
+        """The scheduler placed this queued request: what sends it upstream. Run in
         another exchange's or a background loop's turn, so a failure here must end this
         request alone."""
+        if self.phase is not Phase.QUEUED or self.terminal is not None:
+            return []
         try:
             self._arm(self.deadline)
-            actions = self._upstream()
+            return self._upstream()
         except Exception as exc:
             log.exception("queued request failed at dispatch")
-            actions = self.internal_error(exc)
-        self.sink(actions)
+            return self.internal_error(exc)
 
     def _upstream(self) -> list[Action]:
         req, ticket = self.request, self.ticket
@@ -555,9 +555,7 @@ class Exchange:
         self.ended_at = router.clock()
         if self.held:
             router.held -= 1
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.wake_at = None
         identified: int | None = None
         if self.engine is not None and self.meter is not None:
             self.engine.output_tokens += self.meter.output_tokens
@@ -581,20 +579,13 @@ class Exchange:
 
     # -- time ------------------------------------------------------------------
     def _arm(self, when: float) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        self.timer = self.router.timers.call_later(max(0.0, when - self.router.clock()),
-                                                   self._on_timer)
-
-    def _on_timer(self) -> None:
-        self.timer = None
-        actions = self.expire()
-        if actions:
-            self.sink(actions)
+        self.wake_at = when
 
     def expire(self) -> list[Action]:
-        """A timer fired: 504 if the admission wait or the deadline has run out before
-        response headers, or the engine stalled while responding."""
+        """``wake_at`` came: 504 if the admission wait or the deadline has run out before
+        response headers, or the engine stalled while responding. Sets ``wake_at`` again
+        when it still has a time to watch."""
+        self.wake_at = None
         if self.terminal is not None or not self.completion or self.phase is Phase.DONE \
                 or self.phase is Phase.REQUEST_HEADERS:
             return []  # no timer of this exchange is armed outside these phases
@@ -638,7 +629,7 @@ class Exchange:
         elif self.terminal is None:
             if self.phase in (Phase.UPSTREAM, Phase.RESPONSE_BODY):
                 self._release(errors.CANCELLED)
-                self.router.closes.closed(self.request_id, self._count)
+                self.router.closes.closed(self.request_id, self._count, self.router.clock())
             else:
                 self._finish(errors.CANCELLED)
 
@@ -670,10 +661,6 @@ class Exchange:
             prompt_tokens=prompt if isinstance(prompt, int) else (t.tokens if t else None),
             output_tokens=meter.output_tokens if meter is not None else None,
             trace_headers=self.trace_headers)
-
-
-def _drop(actions: list[Action]) -> None:
-    pass
 
 
 def _bodies(response: bool, data: bytes) -> list[Body]:

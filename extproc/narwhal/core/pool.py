@@ -2,14 +2,29 @@
 
 Commands that change eligibility (maintenance, a health round, a profile) change
 engine state here; whoever issues them then asks the router to notify and pump,
-so that queued work moves as soon as an engine can take it.
+so that queued work moves as soon as an engine can take it. Health checks arrive as
+``Scrape`` values: the telemetry adapter does the HTTP, the pool decides what it means.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..config import Config, EngineConfig
 from .engines import EngineState
 from .prefix import PrefixIndex
+from .profiling import reprofile
+
+
+@dataclass(frozen=True, slots=True)
+class Scrape:
+    """One health check of one engine, as the telemetry adapter saw it."""
+
+    healthy: bool = False  # /health answered 200
+    timed_out: bool = False  # a request of the check timed out
+    unreachable: bool = False  # connection refused or reset
+    metrics: dict[str, float] | None = None  # vLLM's series, when /metrics answered 200
+    no_metrics: bool = False  # /metrics answered 404: a passing /health alone is fresh
 
 
 class Pool:
@@ -17,6 +32,7 @@ class Pool:
         self.stale_after_s = config.telemetry.stale_after_ms / 1000
         self.profiling = config.telemetry.profiling
         self.drift_threshold = config.telemetry.drift_threshold
+        self.timeouts_limit = config.telemetry.unhealthy_after_timeouts
         self.prefix_blocks = config.scheduler.prefix_index_blocks
         self.engines: list[EngineState] = []
         for cfg in config.engines:
@@ -39,6 +55,41 @@ class Pool:
         if self.prefix_blocks and tokens > 0:
             e.prefix.resize(max(1, min(self.prefix_blocks,
                                        int(tokens / max(1.0, tokens_per_block)))))
+
+    def observe(self, e: EngineState, scrape: Scrape, now: float, tokens_per_block: float
+                ) -> bool:
+        """Apply one health check; True when the engine's health changed (or was first
+        known). A timeout counts against the engine only after ``unhealthy_after_timeouts``
+        in a row (a busy engine is slow, not down); an engine that comes back may have
+        restarted, so its prefix index is cleared and, with profiling on, it is measured
+        again before it takes work."""
+        if scrape.timed_out:
+            e.health_timeouts += 1
+            ok, fresh = e.healthy and e.health_timeouts < self.timeouts_limit, False
+        else:
+            if not scrape.unreachable:
+                e.health_timeouts = 0
+            ok = scrape.healthy
+            fresh = ok and (scrape.metrics is not None or scrape.no_metrics)
+        values = scrape.metrics
+        if ok and values:
+            for attr in ("running", "waiting", "kv_cache_usage"):
+                if attr in values:
+                    setattr(e, attr, values[attr])
+            if "kv_capacity_tokens" in values:
+                self.observe_kv_capacity(e, values["kv_capacity_tokens"], tokens_per_block)
+            if "prefix_queries" in values and "prefix_hits" in values:
+                e.model.observe_cache(values["prefix_queries"], values["prefix_hits"])
+        changed = ok != e.healthy or not e.checked
+        if changed and ok and e.checked:
+            e.prefix.clear()  # it may have restarted: its prefix cache is gone
+            if self.profiling:
+                reprofile(e)
+        e.healthy = ok
+        e.checked = True
+        if fresh:
+            e.telemetry_at = now
+        return changed
 
     def reconcile(self, wanted: dict[str, EngineConfig]) -> tuple[list[str], list[str]]:
         """Make the pool match ``wanted`` (endpoint -> config): add the new, retire the

@@ -1,12 +1,18 @@
-"""The router's shared state: configuration, scheduler, accounting, serving state."""
+"""The router's shared state: configuration, scheduler, accounting, serving state.
+
+Sans-I/O like the rest of the core: nothing here sends, sleeps or schedules. Requests
+the scheduler dispatches from its queue collect in ``dispatched`` for the adapters to
+send (``take_dispatched``); commands that change who may take work (maintenance,
+fencing, a health round, a profile) change state, pump the queue and notify the
+listeners, which is where an adapter learns that there is work to send.
+"""
 
 from __future__ import annotations
 
 import socket
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
 
 from ..config import Config
 from .accounting import Accounting
@@ -19,26 +25,6 @@ from .scheduler import Scheduler, Ticket
 from .sizing import Sizer
 
 
-class TimerHandle(Protocol):
-    def cancel(self) -> None: ...
-
-
-class Timers(Protocol):
-    def call_later(self, delay: float, callback: Callable[[], None]) -> TimerHandle: ...
-
-
-class _NoTimer:
-    def cancel(self) -> None:
-        pass
-
-
-class NoTimers:
-    """For pure tests that never let time pass: timers are accepted and never fire."""
-
-    def call_later(self, delay: float, callback: Callable[[], None]) -> TimerHandle:
-        return _NoTimer()
-
-
 def default_identity() -> str:
     """A leader-election identity unique to this process: a restarted replica must not
     inherit its predecessor's lease (client-go's hostname + random suffix)."""
@@ -47,11 +33,10 @@ def default_identity() -> str:
 
 class Router:
     def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic,
-                 timers: Timers | None = None, wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
         self.wall = wall  # only for what is logged for other processes to compare
-        self.timers: Timers = timers or NoTimers()
         self.pool = Pool(config)
         self.learning = Learning(self.pool)
         self.scheduler = Scheduler(config, self.pool, self.learning)
@@ -64,7 +49,9 @@ class Router:
         self.started = False  # the first telemetry round has completed
         self.heartbeat: float | None = None  # when the last telemetry round completed
         self.listeners: list[Callable[[], None]] = []
-        self.closes = CloseVerdicts(config.telemetry.close_verdict_ms / 1000, self.timers)
+        # Queued requests the scheduler placed, for the adapters to send upstream.
+        self.dispatched: list[Ticket] = []
+        self.closes = CloseVerdicts(config.telemetry.close_verdict_ms / 1000)
         le = config.router.leader_election
         # None: the role comes from config alone. Else the Lease decides, per request.
         self.leadership: Leadership | None = (
@@ -115,11 +102,45 @@ class Router:
         window = max(3 * cfg.health_interval_ms, cfg.stale_after_ms) / 1000
         return self.clock() - self.heartbeat <= window
 
-    def wake(self, tickets: list[Ticket]) -> None:
-        """Tickets the scheduler dispatched from the queue: their exchanges send now."""
-        for t in tickets:
-            owner: Any = t.owner
-            owner.dispatched_from_queue()
-
     def pump(self) -> None:
-        self.wake(self.scheduler.pump(self.clock()))
+        """Place what the queue holds where slots are free; the placed wait in
+        ``dispatched`` until an adapter takes them."""
+        placed = self.scheduler.pump(self.clock())
+        if placed:
+            self.dispatched.extend(placed)
+
+    def take_dispatched(self) -> list[Ticket]:
+        """The requests placed from the queue since the last call, in placement order;
+        each ticket's ``owner`` is its exchange, which sends when told
+        (``Exchange.dispatched_from_queue``)."""
+        out, self.dispatched = self.dispatched, []
+        return out
+
+    # -- commands: change who may take work, pump, notify -------------------------------
+    def _command_done(self) -> None:
+        self.pump()
+        self.changed()
+
+    def set_maintenance(self, engines: Iterable[EngineState], on: bool) -> None:
+        for e in engines:
+            e.maintenance = on
+        self._command_done()
+
+    def set_fenced(self, on: bool) -> None:
+        self.fenced = on
+        self._command_done()
+
+    def start_draining(self) -> None:
+        self.draining = True
+        self._command_done()
+
+    def round_done(self) -> None:
+        """A telemetry round completed: the router has seen its engines, and one that
+        came back can take queued work."""
+        self.started = True
+        self.heartbeat = self.clock()
+        self._command_done()
+
+    def profiled(self) -> None:
+        """A profile ended (either way): eligibility may have changed."""
+        self._command_done()

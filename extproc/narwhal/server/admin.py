@@ -164,16 +164,11 @@ def admin_app(router: Router, token: str | None = None) -> web.Application:
         return engines
 
     async def maintenance(request: web.Request) -> web.Response:
-        engines = await _selection(request)
-        for e in engines:
-            e.maintenance = request.method == "POST"
-        router.changed()
-        router.pump()
+        router.set_maintenance(await _selection(request), request.method == "POST")
         return _json({"maintenance": [e.name for e in router.engines if e.maintenance]})
 
     async def fence(request: web.Request) -> web.Response:
-        router.fenced = request.method == "POST"
-        router.changed()
+        router.set_fenced(request.method == "POST")
         return _json({"fenced": router.fenced})
 
     app = web.Application(middlewares=[_guard(token)], client_max_size=65536)

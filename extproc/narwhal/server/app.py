@@ -19,6 +19,7 @@ from ..core.router import Router
 from .access_log import ACCESS_LOG_PATH, AccessLogCall
 from .admin import admin_app, admin_token
 from .discovery import discover_once, discovery_loop
+from .driver import RECORDS, Runtime
 from .extproc import PROCESS_PATH, SERVICE_NAME, ExternalProcessor, ExtProcCall
 from .grpc_health import CHECK_PATH, WATCH_PATH, HealthRegistry
 from .grpc_server import GrpcConnection
@@ -42,10 +43,11 @@ def health_status(router: Router, service: str) -> int | None:
     return None
 
 
-async def _start_asyncio(config: Config, router: Router) -> Callable[[], Awaitable[None]]:
+async def _start_asyncio(config: Config, runtime: Runtime) -> Callable[[], Awaitable[None]]:
+    router = runtime.router
     registry = HealthRegistry(functools.partial(health_status, router))
     router.listeners.append(registry.refresh)
-    routes = {PROCESS_PATH: functools.partial(ExtProcCall, router),
+    routes = {PROCESS_PATH: functools.partial(ExtProcCall, runtime),
               CHECK_PATH: registry.check_call, WATCH_PATH: registry.watch_call,
               ACCESS_LOG_PATH: functools.partial(AccessLogCall, router)}
     connections: set[GrpcConnection] = set()
@@ -77,10 +79,11 @@ async def _start_asyncio(config: Config, router: Router) -> Callable[[], Awaitab
     return stop
 
 
-async def _start_grpcio(config: Config, router: Router) -> Callable[[], Awaitable[None]]:
+async def _start_grpcio(config: Config, runtime: Runtime) -> Callable[[], Awaitable[None]]:
+    router = runtime.router
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", config.serving.max_message_bytes),
                                       ("grpc.so_reuseport", 0)])
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(runtime), server)
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     server.add_insecure_port(f"{config.serving.host}:{config.serving.extproc_port}")
@@ -95,21 +98,12 @@ async def _start_grpcio(config: Config, router: Router) -> Callable[[], Awaitabl
     return functools.partial(server.stop, grace=1.0)
 
 
-class LoopTimers:
-    """The core's timers on the running event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-
-    def call_later(self, delay: float, callback: Callable[[], None]) -> asyncio.TimerHandle:
-        return self.loop.call_later(delay, callback)
-
-
 async def serve(config: Config) -> None:
     token = admin_token(config.telemetry)  # a missing file or variable fails start-up
-    router = Router(config, timers=LoopTimers(asyncio.get_running_loop()))
+    router = Router(config)
+    runtime = Runtime(router, asyncio.get_running_loop())
     start = _start_asyncio if config.serving.transport == "asyncio" else _start_grpcio
-    stop_grpc = await start(config, router)
+    stop_grpc = await start(config, runtime)
     runner = web.AppRunner(admin_app(router, token), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.telemetry.admin_host, config.telemetry.admin_port)
@@ -125,8 +119,6 @@ async def serve(config: Config) -> None:
     tasks.append(asyncio.ensure_future(telemetry_loop(router)))
     tracer = None
     if config.telemetry.tracing.enabled:
-        from .extproc import RECORDS
-
         try:
             from .tracing import Tracer  # the OpenTelemetry SDK only where tracing is on
         except ImportError as exc:
@@ -152,8 +144,7 @@ async def serve(config: Config) -> None:
     await stop.wait()
     # Drain: refuse new work, hand the lease over (a standby takes it at once instead of
     # after expiry), let in-flight streams finish, then exit.
-    router.draining = True
-    router.changed()
+    router.start_draining()
     if lease is not None:
         tasks[-1].cancel()
         await lease.release()
@@ -168,8 +159,6 @@ async def serve(config: Config) -> None:
     await stop_grpc()
     await runner.cleanup()
     if tracer is not None:  # flushes what is batched
-        from .extproc import RECORDS
-
         RECORDS.remove(tracer)
         tracer.shutdown()
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Protocol
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -30,8 +29,7 @@ from ..core.exchange import (
     Immediate,
     Trailers,
 )
-from ..core.record import ExchangeRecord
-from ..core.router import Router
+from .driver import Driver, Runtime
 from .grpc_server import INVALID_ARGUMENT, Stream
 
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -183,16 +181,16 @@ def to_proto(action: Action) -> pb.ProcessingResponse:
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    """The grpcio adapter: replies come from the message loop and from the core's sink
-    (queue dispatch, expiry), merged through one asyncio queue to keep them ordered."""
+    """The grpcio adapter: replies come from the message loop and from work the core
+    left for this exchange (queue dispatch, expiry), merged through one asyncio queue
+    to keep them ordered."""
 
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
 
     async def Process(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
-        ex = Exchange(self.router)
         outbox: asyncio.Queue[list[Action] | None] = asyncio.Queue()
-        ex.sink = outbox.put_nowait
+        driver = Driver(self.runtime, outbox.put_nowait)
 
         async def reader() -> None:
             while True:
@@ -200,11 +198,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 if msg is grpc.aio.EOF:
                     outbox.put_nowait(None)
                     return
-                try:
-                    outbox.put_nowait(_dispatch(ex, msg))
-                except Exception as exc:
-                    log.exception("exchange failed on %s", msg.WhichOneof("request"))
-                    outbox.put_nowait(ex.internal_error(exc))
+                driver.step(_dispatch, driver.ex, msg)
 
         task = asyncio.ensure_future(reader())
         try:
@@ -218,28 +212,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         return
         finally:
             task.cancel()
-            _closed(ex)
-
-
-class RecordSink(Protocol):
-    def record(self, r: ExchangeRecord | None) -> None: ...
-
-
-# Where finished exchanges' records go (tracing), when something wants them.
-RECORDS: list[RecordSink] = []
-
-
-def _closed(ex: Exchange) -> None:
-    """The ext_proc stream is over: close the exchange, hand its record on (once)."""
-    ex.close()
-    if RECORDS:
-        rec = ex.record()
-        if rec is not None:
-            for sink in RECORDS:
-                try:
-                    sink.record(rec)
-                except Exception:  # reporting must never harm serving
-                    log.exception("exchange record sink failed")
+            driver.closed()
 
 
 def _dispatch(ex: Exchange, msg: pb.ProcessingRequest) -> list[Action]:
@@ -266,44 +239,33 @@ def _dispatch(ex: Exchange, msg: pb.ProcessingRequest) -> list[Action]:
 class ExtProcCall:
     """One ext_proc stream on the asyncio transport."""
 
-    __slots__ = ("ex", "stream")
+    __slots__ = ("driver", "stream")
 
-    def __init__(self, router: Router, stream: Stream) -> None:
-        self.ex = Exchange(router)
-        self.ex.sink = self._sink
+    def __init__(self, runtime: Runtime, stream: Stream) -> None:
         self.stream = stream
+        self.driver = Driver(runtime, self._send, stream.conn.write_soon)
 
     def on_message(self, data: bytes) -> None:
         try:
             msg = pb.ProcessingRequest.FromString(data)
         except Exception:  # upb raises its own DecodeError type
-            _closed(self.ex)
+            self.driver.closed()
             self.stream.finish(INVALID_ARGUMENT, "undecodable ProcessingRequest")
             return
-        try:
-            actions = _dispatch(self.ex, msg)
-        except Exception as exc:
-            log.exception("exchange failed on %s", msg.WhichOneof("request"))
-            actions = self.ex.internal_error(exc)
-        self._send(actions)
+        self.driver.step(_dispatch, self.driver.ex, msg)
 
     def _send(self, actions: list[Action]) -> None:
         send = self.stream.send
         for action in actions:
             send(encode(action))
             if action.__class__ is Immediate:
-                _closed(self.ex)
+                self.driver.closed()
                 self.stream.finish()
                 return
 
-    def _sink(self, actions: list[Action]) -> None:
-        """Actions outside a message (queue dispatch, expiry): send and flush now."""
-        self._send(actions)
-        self.stream.conn.write_soon()
-
     def on_half_close(self) -> None:
-        _closed(self.ex)
+        self.driver.closed()
         self.stream.finish()
 
     def on_cancel(self) -> None:
-        _closed(self.ex)
+        self.driver.closed()

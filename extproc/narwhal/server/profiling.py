@@ -44,8 +44,7 @@ async def profile_engine(router: Router, engine: EngineState, profiler: Profiler
         profiler.succeeded(engine, clock())
         log.info("engine %s profiled: %.0f prompt tokens/s, TPOT %.1f ms", engine.name,
                  min(engine.model.learned_prefill_tps, 1e9), engine.model.tpot_s(1) * 1000)
-    router.changed()
-    router.pump()
+    router.profiled()
 
 
 async def _max_model_len(engine: EngineState, session: aiohttp.ClientSession,

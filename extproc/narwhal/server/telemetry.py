@@ -16,7 +16,7 @@ import re
 import aiohttp
 
 from ..core.engines import EngineState
-from ..core.profiling import reprofile
+from ..core.pool import Scrape
 from ..core.router import Router
 from .profiling import Profiling
 
@@ -58,49 +58,31 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 
 
-async def scrape_engine(router: Router, engine: EngineState,
-                        session: aiohttp.ClientSession) -> None:
+async def scrape(router: Router, engine: EngineState, session: aiohttp.ClientSession) -> Scrape:
+    """One health check: /health, then /metrics while healthy. HTTP only; what it means
+    is the pool's to decide (``Pool.observe``)."""
     timeout = aiohttp.ClientTimeout(total=router.config.telemetry.health_timeout_ms / 1000)
     base = engine.config.url.rstrip("/")
     try:
         async with session.get(base + "/health", timeout=timeout) as resp:
-            ok = resp.status == 200
-        fresh = False
-        if ok:
-            async with session.get(base + "/metrics", timeout=timeout) as resp:
-                if resp.status == 200:
-                    text = (await resp.content.read(MAX_METRICS_BYTES)).decode("utf-8", "replace")
-                    values = parse_vllm_metrics(text)
-                    for attr in ("running", "waiting", "kv_cache_usage"):
-                        if attr in values:
-                            setattr(engine, attr, values[attr])
-                    if "kv_capacity_tokens" in values:
-                        router.pool.observe_kv_capacity(engine, values["kv_capacity_tokens"],
-                                                        router.sizer.tokens_per_block())
-                    if "prefix_queries" in values and "prefix_hits" in values:
-                        engine.model.observe_cache(values["prefix_queries"],
-                                                   values["prefix_hits"])
-                    fresh = True
-                else:
-                    fresh = resp.status == 404
+            if resp.status != 200:
+                return Scrape()
+        async with session.get(base + "/metrics", timeout=timeout) as resp:
+            if resp.status == 200:
+                text = (await resp.content.read(MAX_METRICS_BYTES)).decode("utf-8", "replace")
+                return Scrape(healthy=True, metrics=parse_vllm_metrics(text))
+            return Scrape(healthy=True, no_metrics=resp.status == 404)
     except TimeoutError:
-        engine.health_timeouts += 1
-        limit = router.config.telemetry.unhealthy_after_timeouts
-        ok, fresh = engine.healthy and engine.health_timeouts < limit, False
+        return Scrape(timed_out=True)
     except (aiohttp.ClientError, OSError):
-        ok = fresh = False
-    else:
-        engine.health_timeouts = 0
-    if ok != engine.healthy or not engine.checked:
-        log.info("engine %s is %s", engine.name, "healthy" if ok else "unhealthy")
-        if ok and engine.checked:
-            engine.prefix.clear()  # it may have restarted: its prefix cache is gone
-            if router.config.telemetry.profiling:
-                reprofile(engine)  # it came back: measure it again before it takes work
-    engine.healthy = ok
-    engine.checked = True
-    if fresh:
-        engine.telemetry_at = router.clock()
+        return Scrape(unreachable=True)
+
+
+async def scrape_engine(router: Router, engine: EngineState,
+                        session: aiohttp.ClientSession) -> None:
+    result = await scrape(router, engine, session)
+    if router.pool.observe(engine, result, router.clock(), router.sizer.tokens_per_block()):
+        log.info("engine %s is %s", engine.name, "healthy" if engine.healthy else "unhealthy")
 
 
 async def check_once(router: Router, session: aiohttp.ClientSession,
@@ -108,9 +90,7 @@ async def check_once(router: Router, session: aiohttp.ClientSession,
     await asyncio.gather(*(scrape_engine(router, e, session) for e in list(router.engines)))
     if profiling is not None:
         profiling.start_due(session)
-    router.started = True
-    router.changed()
-    router.pump()  # an engine that came back can take queued work
+    router.round_done()  # an engine that came back can take queued work
 
 
 async def telemetry_loop(router: Router) -> None:
@@ -119,13 +99,12 @@ async def telemetry_loop(router: Router) -> None:
     (a loop that keeps failing, or one that died), so that a liveness probe restarts
     the router instead of leaving it refusing everything as monitoring-degraded."""
     interval = router.config.telemetry.health_interval_ms / 1000
-    router.heartbeat = router.clock()
+    router.heartbeat = router.clock()  # the loop is alive from its start
     profiling = Profiling(router) if router.config.telemetry.profiling else None
     async with aiohttp.ClientSession() as session:
         while True:
             try:
-                await check_once(router, session, profiling)
-                router.heartbeat = router.clock()
+                await check_once(router, session, profiling)  # a heartbeat when it completes
             except Exception:
                 log.exception("telemetry round failed")
             await asyncio.sleep(interval)
