@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,10 +27,18 @@ def _stack(sims: list[SimSpec], config: dict | None = None,
         stack.stop()
 
 
+def unix_socket() -> str:
+    """A fresh path for serving.extproc_socket (short: a socket path has 108 bytes)."""
+    return str(Path(tempfile.mkdtemp(prefix="nw-")) / "extproc.sock")
+
+
 @pytest.fixture(scope="session")
 def stack() -> Iterator[Stack]:
-    """One vLLM-dialect engine, so every request lands on it."""
-    yield from _stack([SimSpec("sim-a")], {"serving": {"max_request_bytes": 65536}})
+    """One vLLM-dialect engine, so every request lands on it. Envoy reaches Narwhal over
+    a Unix socket, as in the chart's sidecar mode (the TCP port still serves gRPC health
+    and the tests that speak ext_proc directly); most other stacks use loopback TCP."""
+    yield from _stack([SimSpec("sim-a")], {"serving": {"max_request_bytes": 65536,
+                                                       "extproc_socket": unix_socket()}})
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,7 @@ FEATURES = {
     "istio": ["--set", "mode=gateway", "--set", "istio.envoyFilter.enabled=true"],
     "no-pdb": ["--set", "podDisruptionBudget.enabled=false"],
     "expose-extproc": ["--set", "service.exposeExtproc=true"],
+    "tcp-extproc": ["--set", "sidecar.unixSocket=false"],
     "admin-token": ["--set", "admin.token=s3cret"],
     "admin-secret": ["--set", "admin.existingSecret=ops-narwhal", "--set", "admin.tokenKey=tk",
                      "--set", "mode=gateway"],
@@ -155,6 +156,17 @@ def test_sidecar_pod_shape():
     (svc,) = by_kind(docs, "Service")
     assert {p["name"] for p in svc["spec"]["ports"]} == {"http", "admin"}
     assert by_kind(docs, "PodDisruptionBudget")
+    # Envoy reaches Narwhal over a Unix socket in the /tmp volume both containers mount.
+    (cm,) = by_kind(docs, "ConfigMap")
+    sock = yaml.safe_load(cm["data"]["narwhal.yaml"])["serving"]["extproc_socket"]
+    envoy = yaml.safe_load(cm["data"]["envoy.yaml"])
+    cluster = next(c for c in envoy["static_resources"]["clusters"] if c["name"] == "narwhal")
+    assert cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
+        "address"] == {"pipe": {"path": sock}}
+    tmp = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+    for c in pod["containers"]:
+        assert any(m["mountPath"] == "/tmp" and m["name"] in tmp for m in c["volumeMounts"])
+        assert sock.startswith("/tmp/")
 
 
 def test_gateway_mode_exposes_extproc_and_points_the_pool_at_it():

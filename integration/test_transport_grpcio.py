@@ -9,14 +9,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from narwhal.launch import SimSpec
 
-from .conftest import MODEL, _stack, client_for
+from .conftest import MODEL, _stack, client_for, unix_socket
 
 MSGS = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
 def grpcio_stack():
-    yield from _stack([SimSpec("sim-g")], {"serving": {"transport": "grpcio"}})
+    yield from _stack([SimSpec("sim-g")], {"serving": {"transport": "grpcio",
+                                                       "extproc_socket": unix_socket()}})
 
 
 def test_round_trips(grpcio_stack):

@@ -50,6 +50,9 @@ def test_defaults():
     ({"engines": {"discovery": "dns", "name": "x", "port": 0}}, "engines.port: not a port"),
     ({"telemetry": {"admin_port": 70000}}, "not a port"),
     ({"admission": {"queue_limit": True}}, "expected an integer"),
+    ({"serving": {"extproc_socket": "narwhal.sock"}}, "serving.extproc_socket: expected an absolute"),
+    ({"serving": {"extproc_socket": "/" + "x" * 120}}, "under 108 bytes"),
+    ({"serving": {"extproc_socket": 9002}}, "serving.extproc_socket: expected a socket path"),
     ([1], "top level"),
 ])
 def test_errors_name_the_key(data, message):

@@ -26,6 +26,9 @@ class Serving:
     max_request_bytes: int = 1_048_576
     host: str = "127.0.0.1"
     extproc_port: int = 9002
+    # A Unix socket to serve ext_proc on as well (an Envoy in the same pod: sidecar mode);
+    # "" for none. The TCP port stays for probes and peers elsewhere.
+    extproc_socket: str = ""
     transport: str = "asyncio"
     max_event_bytes: int = 1_048_576
     max_response_bytes: int = 16_777_216
@@ -266,6 +269,13 @@ def _check(hint: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
         return value
     if hint is str:
+        if key == "serving.extproc_socket":
+            if not isinstance(value, str):
+                raise ConfigError(f"{key}: expected a socket path, got {value!r}")
+            if value and not (value.startswith("/") and len(value.encode()) < 108):
+                raise ConfigError(f"{key}: expected an absolute path under 108 bytes (a Unix "
+                                  f"socket's limit), got {value!r}")
+            return value
         if key == "sizing.tokenizer":
             if not isinstance(value, str):
                 raise ConfigError(f"{key}: expected a file path, got {value!r}")

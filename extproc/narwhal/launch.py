@@ -98,15 +98,20 @@ def _is_ip(host: str) -> bool:
 
 def render_envoy(port: int, admin_port: int, extproc_port: int,
                  source: Path = ENVOY_CONFIG, *, engines: list[str] | None = None,
-                 dns: tuple[str, int] | None = None) -> dict[str, Any]:
+                 dns: tuple[str, int] | None = None, extproc_socket: str = ""
+                 ) -> dict[str, Any]:
     """The shipped Envoy config with its three ports replaced and, when given, its
-    engines cluster holding ``engines`` (``ip:port``) or the ``dns`` name."""
+    engines cluster holding ``engines`` (``ip:port``) or the ``dns`` name, and Narwhal
+    reached over the Unix socket ``extproc_socket``."""
     cfg = yaml.safe_load(source.read_text())
     _set_ports(cfg, port, admin_port)
     for cluster in cfg["static_resources"]["clusters"]:
         if cluster["name"] == "narwhal":
             ep = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-            ep["address"]["socket_address"]["port_value"] = extproc_port
+            if extproc_socket:
+                ep["address"] = {"pipe": {"path": extproc_socket}}
+            else:
+                ep["address"]["socket_address"]["port_value"] = extproc_port
     if engines or dns:
         set_engine_pool(cfg, engines or [], dns)
     return cfg
@@ -276,8 +281,9 @@ class Stack(StackURLs):
             envoy_path = self.workdir / "envoy.yaml"
             endpoints, dns = engine_pool(self.config_dict())
             endpoints = self.envoy_engines or endpoints
-            envoy_cfg = render_envoy(self.port, self.envoy_admin_port, self.extproc_port,
-                                     engines=endpoints, dns=dns)
+            envoy_cfg = render_envoy(
+                self.port, self.envoy_admin_port, self.extproc_port, engines=endpoints, dns=dns,
+                extproc_socket=self.config.get("serving", {}).get("extproc_socket", ""))
             if self.envoy_patch is not None:
                 self.envoy_patch(envoy_cfg)
             envoy_path.write_text(yaml.safe_dump(envoy_cfg))

@@ -109,7 +109,11 @@ static_resources:
       cluster_name: narwhal
       endpoints:
       - lb_endpoints:
+        {{- with include "narwhal.extprocSocket" . }}
+        - endpoint: {address: {pipe: {path: {{ . }}}}}
+        {{- else }}
         - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: {{ .Values.ports.extproc }}}}}
+        {{- end }}
   # The engines Narwhal places on: Envoy connects to the first x-gateway-destination-endpoint
   # entry that is a member, the next ones on retry, and reports which one served.
   - name: engines

@@ -21,6 +21,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "narwhal.config" -}}
 {{- $c := deepCopy .Values.config -}}
 {{- $serving := merge (dict "host" (ternary "127.0.0.1" "0.0.0.0" (eq .Values.mode "sidecar")) "extproc_port" (int .Values.ports.extproc)) ($c.serving | default dict) -}}
+{{- if include "narwhal.extprocSocket" . -}}
+{{- $_ := set $serving "extproc_socket" (include "narwhal.extprocSocket" .) -}}
+{{- end -}}
 {{- $telemetry := merge (dict "admin_host" "0.0.0.0" "admin_port" (int .Values.ports.admin)) ($c.telemetry | default dict) -}}
 {{- if include "narwhal.adminSecret" . -}}
 {{- $_ := set $telemetry "admin_token_file" (printf "/etc/narwhal-admin/%s" .Values.admin.tokenKey) -}}
@@ -56,4 +59,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if .Values.admin.existingSecret -}}{{ .Values.admin.existingSecret }}
 {{- else if .Values.admin.token -}}{{ include "narwhal.fullname" . }}-admin
 {{- end -}}
+{{- end -}}
+{{/* Sidecar mode: Envoy reaches Narwhal over a Unix socket in the pod's shared /tmp
+(bench.datapath: ~10% less CPU per request on both sides than loopback TCP). */}}
+{{- define "narwhal.extprocSocket" -}}
+{{- if and (eq .Values.mode "sidecar") .Values.sidecar.unixSocket -}}/tmp/narwhal-extproc.sock{{- end -}}
 {{- end -}}

@@ -8,6 +8,7 @@ import functools
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import grpc
 from aiohttp import web
@@ -43,6 +44,16 @@ def health_status(router: Router, service: str) -> int | None:
     return None
 
 
+def _unlink_stale(path: str) -> None:
+    """A socket file left by a previous process would make bind fail; anything else at
+    that path is not ours to remove."""
+    p = Path(path)
+    if p.is_socket():
+        p.unlink()
+    elif p.exists():
+        raise ConfigError(f"serving.extproc_socket: {path} exists and is not a socket")
+
+
 async def _start_asyncio(config: Config, runtime: Runtime) -> Callable[[], Awaitable[None]]:
     router = runtime.router
     registry = HealthRegistry(functools.partial(health_status, router))
@@ -67,14 +78,19 @@ async def _start_asyncio(config: Config, runtime: Runtime) -> Callable[[], Await
         return conn
 
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(factory, config.serving.host, config.serving.extproc_port)
+    servers = [await loop.create_server(factory, config.serving.host, config.serving.extproc_port)]
+    if serving.extproc_socket:
+        _unlink_stale(serving.extproc_socket)
+        servers.append(await loop.create_unix_server(factory, serving.extproc_socket))
 
     async def stop() -> None:
-        server.close()
+        for server in servers:
+            server.close()
         for conn in list(connections):
             if conn.transport is not None:
                 conn.transport.close()
-        await server.wait_closed()
+        for server in servers:
+            await server.wait_closed()
 
     return stop
 
@@ -87,6 +103,9 @@ async def _start_grpcio(config: Config, runtime: Runtime) -> Callable[[], Awaita
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     server.add_insecure_port(f"{config.serving.host}:{config.serving.extproc_port}")
+    if config.serving.extproc_socket:
+        _unlink_stale(config.serving.extproc_socket)
+        server.add_insecure_port(f"unix:{config.serving.extproc_socket}")
     await server.start()
 
     def mirror() -> None:
