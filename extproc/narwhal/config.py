@@ -85,6 +85,9 @@ class EngineConfig:
     prefill_tps: float = 10000.0
     tpot_ms: float = 20.0
     overhead_ms: float = 5.0
+    # The engine's KV-cache event publisher (vLLM --kv-events-config endpoint, e.g.
+    # tcp://10.0.0.5:5557): its prefix cache is then known, not guessed. "" for none.
+    kv_events: str = ""
 
     @property
     def endpoint(self) -> str:
@@ -169,6 +172,9 @@ class Telemetry:
     # Mean signed relative TTFT error past which an engine's model is found drifted: it is
     # re-learned and (when another engine can serve) profiled again. 0: never.
     drift_threshold: float = 0.25
+    # An engine with KV events that has not published for this long after a dispatch is
+    # matched by the approximate prefix index again until its events resume.
+    kv_events_stale_ms: int = 5000
     # The bearer token admin mutations (/admin/*) require; with none set they are refused.
     # One of: the token itself, a file holding it (a mounted Secret), an environment variable.
     admin_token: str = ""
@@ -214,7 +220,7 @@ POSITIVE = {
     "admission.request_timeout_ms", "admission.max_ttft_target_ms",
     "scheduler.max_prefill_per_engine",
     "scheduler.max_decode_per_engine", "telemetry.health_interval_ms",
-    "telemetry.health_timeout_ms", "telemetry.stale_after_ms",
+    "telemetry.health_timeout_ms", "telemetry.stale_after_ms", "telemetry.kv_events_stale_ms",
     "telemetry.unhealthy_after_timeouts", "telemetry.profile_timeout_ms", "engines.prefill_tps",
     "router.leader_election.lease_duration_ms", "router.leader_election.renew_deadline_ms",
     "router.leader_election.retry_period_ms",
@@ -269,6 +275,12 @@ def _check(hint: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
         return value
     if hint is str:
+        if generic_key == "engines.kv_events":
+            if not isinstance(value, str) or (value and not (
+                    value.startswith(("tcp://", "ipc://")) and len(value) < 512)):
+                raise ConfigError(f"{key}: expected a ZMQ endpoint (tcp://host:port or "
+                                  f"ipc://path), got {value!r}")
+            return value
         if key == "serving.extproc_socket":
             if not isinstance(value, str):
                 raise ConfigError(f"{key}: expected a socket path, got {value!r}")

@@ -7,6 +7,7 @@ test time, each behind its own Envoy + Narwhal. Started once per test session.
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from narwhal.launch import Stack
+from narwhal.launch import Stack, free_port
 
 from .engine import SERVED_MODEL, VllmServer, vllm_python
 from .model import build
@@ -25,6 +26,14 @@ VARIANTS = {
     "tools": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
     "reasoning": ["--reasoning-parser", "deepseek_r1"],
 }
+
+
+def kv_variant(port: int) -> list[str]:
+    """Prefix caching on, publishing its KV-cache events on ``port``, and reporting
+    cached prompt tokens in usage (what Narwhal's prediction is checked against)."""
+    return ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--kv-events-config",
+            json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                        "endpoint": f"tcp://*:{port}", "topic": "kv"})]
 
 
 @dataclass
@@ -64,6 +73,9 @@ def vllm_servers(tmp_path_factory) -> Iterator[dict[str, VllmServer]]:
                     "--weights"], check=True, capture_output=True)
     servers = {name: VllmServer(f"vllm-{name}", model, root, args) for name, args in
                VARIANTS.items()}
+    kv_port = free_port()
+    servers["kv"] = VllmServer("vllm-kv", model, root, kv_variant(kv_port))
+    servers["kv"].kv_events = f"tcp://127.0.0.1:{kv_port}"
     try:
         for server in servers.values():
             server.spawn()
@@ -75,17 +87,20 @@ def vllm_servers(tmp_path_factory) -> Iterator[dict[str, VllmServer]]:
             server.stop()
 
 
-def _pair(server: VllmServer) -> Iterator[Pair]:
+def _pair(server: VllmServer, **extra: dict) -> Iterator[Pair]:
+    engine = {"name": server.name, "url": server.url, "dialect": "vllm"}
+    if server.kv_events:
+        engine["kv_events"] = server.kv_events
     config = {
         "serving": {"model": SERVED_MODEL},
         # Wire fidelity is under test here, not admission: a budget no CPU prefill misses.
         "admission": {"ttft_target_ms": 120_000, "max_ttft_target_ms": 120_000},
-        "engines": [{"name": server.name, "url": server.url, "dialect": "vllm"}],
+        "engines": [engine],
         # Two CPU vLLMs share 2 cores with the tests: /health can take seconds.
         # Their timing is CPU contention, not drift: do not re-learn on it.
         "telemetry": {"health_timeout_ms": 5000, "stale_after_ms": 30_000,
                       "drift_threshold": 0},
-    }
+    } | extra
     stack = Stack(sims=[], config=config, model=SERVED_MODEL)
     stack.start()
     try:
@@ -102,3 +117,12 @@ def tools_pair(vllm_servers) -> Iterator[Pair]:
 @pytest.fixture(scope="session")
 def reasoning_pair(vllm_servers) -> Iterator[Pair]:
     yield from _pair(vllm_servers["reasoning"])
+
+
+@pytest.fixture(scope="session")
+def kv_pair(vllm_servers) -> Iterator[Pair]:
+    """vLLM with prefix caching and KV events; Narwhal subscribed, with the model's own
+    tokenizer (and its chat template) to compute prompt token IDs."""
+    server = vllm_servers["kv"]
+    tokenizer = str(server.model_dir / "tokenizer.json")
+    yield from _pair(server, sizing={"tokenizer": tokenizer})

@@ -40,6 +40,7 @@ class VllmServer:
     args: list[str] = field(default_factory=list)
     port: int = 0
     proc: Proc | None = None
+    kv_events: str = ""  # where its KV-cache event publisher is, if it has one
 
     @property
     def url(self) -> str:

@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import EngineConfig
+from .kv_events import KvBlocks
 from .perf import PerfModel
 from .prefix import PrefixIndex
 
@@ -33,6 +34,8 @@ class EngineState:
     # Predicted output tokens of the requests placed here (output-length learning).
     decode_backlog: int = 0
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))
+    # The blocks the engine reports holding (engines[].kv_events); None without events.
+    kv: KvBlocks | None = None
     predicted_hit_rate: float = 0.0  # recent share of dispatched prompts found in ``prefix``
     # Cumulative prompt tokens dispatched here and the part the index expected cached:
     # over any window, comparable with the engine's own prefix-cache counters.

@@ -34,6 +34,7 @@ LB_NAMESPACE = "envoy.lb"
 SLO_HEADER = "x-slo-ttft-ms"
 TPOT_HEADER = "x-slo-tpot-ms"  # llm-d's name
 PREDICTED_OUTPUT_HEADER = "x-narwhal-predicted-output-tokens"
+PREDICTED_CACHED_HEADER = "x-narwhal-predicted-cached-tokens"  # of the prompt, on its engine
 TIMEOUT_HEADER = "x-request-timeout-ms"
 PREDICTED_HEADER = "x-narwhal-predicted-ttft-ms"
 # The Inference Extension conformance suite's test picker: a header naming the allowed
@@ -357,6 +358,7 @@ class Exchange:
         if t is not None and t.predicted_ttft_s is not None:
             out.append((PREDICTED_HEADER, str(round(t.predicted_ttft_s * 1000))))
             out.append((PREDICTED_OUTPUT_HEADER, str(t.predicted_output)))
+            out.append((PREDICTED_CACHED_HEADER, str(t.predicted_cached)))
         if self.router.config.router.conformance_hooks and self.engine is not None:
             out.append((CONFORMANCE_SERVED, self.engine.endpoint))
         return out

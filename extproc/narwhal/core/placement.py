@@ -35,20 +35,25 @@ class Candidate:
         return self.ttft_s * self.engine.calibration
 
 
-def cached_fraction(e: EngineState, t: Ticket) -> float:
-    """The share of the prompt the engine's prefix index says it has seen."""
+def cached_fraction(e: EngineState, t: Ticket, now: float | None = None) -> float:
+    """The share of the prompt the engine holds: as its KV events report (exact, while
+    they flow and the prompt's token IDs are known), else as its prefix index has seen."""
+    kv = e.kv
+    if kv is not None and t.prompt_ids and now is not None and kv.live(now):
+        return kv.match(t.prompt_ids) / len(t.prompt_ids)
     if not t.blocks or not e.prefix.capacity:
         return 0.0
     return min(1.0, e.prefix.match(t.blocks) * t.block_units / t.prompt_units)
 
 
-def project(e: EngineState, t: Ticket, extra_work: float = 0.0) -> Candidate:
+def project(e: EngineState, t: Ticket, extra_work: float = 0.0,
+            now: float | None = None) -> Candidate:
     """The engine's projections for the request. Its own prefill is what the engine is
-    expected to compute: by its prefix index, or (with the index off, or a prompt it
-    cannot cut) by the engine's own recent hit rate. The index is matched once here."""
+    expected to compute: by its reported blocks or its prefix index, or (with neither,
+    or a prompt it cannot cut) by the engine's own recent hit rate. Matched once here."""
     m = e.model
-    if t.blocks and e.prefix.capacity:
-        cached = cached_fraction(e, t)
+    if (t.blocks and e.prefix.capacity) or (t.prompt_ids and e.kv is not None):
+        cached = cached_fraction(e, t, now)
         work = t.tokens * (1.0 - cached)
     else:
         cached, work = 0.0, m.uncached(t.tokens)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..config import Config, EngineConfig
 from .engines import EngineState
+from .kv_events import KvBlocks, KvEventError, decode_batch
 from .prefix import PrefixIndex
 from .profiling import reprofile
 
@@ -27,12 +28,16 @@ class Scrape:
     no_metrics: bool = False  # /metrics answered 404: a passing /health alone is fresh
 
 
+KV_BLOCKS_DEFAULT = 65_536  # the reported-blocks bound when the prefix index is off
+
+
 class Pool:
     def __init__(self, config: Config) -> None:
         self.stale_after_s = config.telemetry.stale_after_ms / 1000
         self.profiling = config.telemetry.profiling
         self.drift_threshold = config.telemetry.drift_threshold
         self.timeouts_limit = config.telemetry.unhealthy_after_timeouts
+        self.kv_stale_s = config.telemetry.kv_events_stale_ms / 1000
         self.prefix_blocks = config.scheduler.prefix_index_blocks
         self.engines: list[EngineState] = []
         for cfg in config.engines:
@@ -43,8 +48,22 @@ class Pool:
         e.profiled = not self.profiling  # with profiling off, health alone admits it
         e.model.drift_limit = self.drift_threshold
         e.prefix = PrefixIndex(self.prefix_blocks)
+        if cfg.kv_events:
+            e.kv = KvBlocks(self.prefix_blocks or KV_BLOCKS_DEFAULT, self.kv_stale_s)
         self.engines.append(e)
         return e
+
+    def observe_kv_events(self, e: EngineState, payload: bytes, now: float) -> None:
+        """A batch from the engine's KV-event publisher. One that cannot be read counts
+        as an error and forgets what was held (what it said is unknown)."""
+        if e.kv is None:
+            return
+        try:
+            events = decode_batch(payload)
+        except KvEventError:
+            e.kv.failed()
+            raise
+        e.kv.apply(events, now)
 
     def observe_kv_capacity(self, e: EngineState, tokens: float, tokens_per_block: float
                             ) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 
 from ..config import Config
 from .accounting import Accounting
+from .chat_prompt import PromptIds
 from .closes import CloseVerdicts
 from .engines import EngineState
 from .leadership import Leadership
@@ -42,6 +43,10 @@ class Router:
         self.scheduler = Scheduler(config, self.pool, self.learning)
         self.sizer = Sizer(config.sizing.bytes_per_token, config.sizing.tokenizer)
         self.scheduler.tokenizer = self.sizer.tokenizer  # prefix blocks in tokens, if any
+        if self.sizer.tokenizer is not None and any(e.kv_events for e in config.engines):
+            # Matching an engine's reported blocks needs the prompt's exact token IDs.
+            self.scheduler.prompt_ids = PromptIds.load(self.sizer.tokenizer,
+                                                       config.sizing.tokenizer)
         self.accounting = Accounting()
         self.held = 0  # requests inside the HTTP retention limit
         self.draining = False

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..config import Config
 from . import errors
+from .chat_prompt import PromptIds
 from .engines import EngineState
 from .errors import HttpError
 from .learning import Learning
@@ -48,6 +49,9 @@ class Ticket:
     predicted_output: int = 0
     output_keys: list[Key] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)  # prompt block hashes (prefix index)
+    # The prompt's token IDs as the engine computes them (only where KV events are used).
+    prompt_ids: list[int] | None = None
+    predicted_cached: int = 0  # prompt tokens expected cached on the engine it got
     prompt_units: int = 0  # the prompt's length in the index's unit (bytes or tokens)
     block_units: int = 64  # and one block's
     # Ranked engines Envoy may retry on if ``engine`` does not answer (endpoint picker).
@@ -82,6 +86,7 @@ class Scheduler:
         self.pipeline = Pipeline(config.scheduler)
         self.queue: deque[Ticket] = deque()
         self.tokenizer: Any = None  # sizing.tokenizer's, for the prefix index (router sets)
+        self.prompt_ids: PromptIds | None = None  # with KV events: exact prompt IDs
         self.queued_tokens = 0
 
     # -- admission -----------------------------------------------------------------
@@ -93,6 +98,11 @@ class Scheduler:
         t.predicted_output = self.learning.outputs.predict(t.output_keys, max_tokens)
         if self.config.scheduler.prefix_index_blocks:
             t.blocks, t.prompt_units, t.block_units = prompt_blocks(body, self.tokenizer)
+        if self.prompt_ids is not None:
+            ids = self.prompt_ids.ids(body, chat)
+            if ids:
+                t.prompt_ids = ids
+                t.tokens = len(ids)  # exact, where the estimate was an estimate
 
     def admit(self, t: Ticket, now: float) -> Decision:
         engines = self.pool.serviceable(now, t.candidates)
@@ -101,7 +111,7 @@ class Scheduler:
         # Queued work (if any) goes to the engines in proportion to their speed.
         rates = [min(1e9, e.model.learned_prefill_tps) for e in engines]
         total = sum(rates)
-        projections = [project(e, t, self.queued_tokens * r / total)
+        projections = [project(e, t, self.queued_tokens * r / total, now)
                        for e, r in zip(engines, rates, strict=True)]
         cands = projections
         predictive = self.config.admission.mode == "predictive"
@@ -160,11 +170,15 @@ class Scheduler:
         if t.predicted_ttft_s is not None:  # the projection of the engine it got
             t.predicted_ttft_s = picked.ttft_s + (now - t.arrival)
         t.work = picked.work
-        if t.blocks:
+        t.predicted_cached = round(picked.cached * t.tokens)
+        if t.blocks or t.prompt_ids:
             e.predicted_hit_rate += 0.05 * (picked.cached - e.predicted_hit_rate)
             e.index_tokens += t.tokens
             e.index_cached_tokens += t.tokens * picked.cached
+        if t.blocks:
             e.prefix.insert(t.blocks)
+        if e.kv is not None:
+            e.kv.dispatched(now)
         e.prefill_work += t.work
         e.decode_backlog += t.predicted_output
         t.work_ahead = e.prefill_work
@@ -222,7 +236,7 @@ class Scheduler:
         predictive = self.config.admission.mode == "predictive"
         while self.queue:
             t = self._next_queued()
-            projections = [project(e, t) for e in engines]
+            projections = [project(e, t, now=now) for e in engines]
             # Wait for a slot where the budget can be met while one exists; once no engine
             # could meet it any more, waiting helps no one: the best slot now.
             waited = now - t.arrival

@@ -128,6 +128,12 @@ def admin_app(router: Router, token: str | None = None) -> web.Application:
                          "index_cached_tokens": round(e.index_cached_tokens),
                          "kv_capacity_tokens": e.kv_capacity_tokens,
                          "prefix_index_evictions": e.prefix.evictions,
+                         "prefix_source": ("kv-events" if e.kv is not None and e.kv.live(now)
+                                           else "index"),
+                         "kv_events": None if e.kv is None else {
+                             "blocks": len(e.kv.by_engine), "block_size": e.kv.block_size,
+                             "batches": e.kv.batches, "errors": e.kv.errors,
+                             "unchained": e.kv.unchained, "live": e.kv.live(now)},
                          "model_samples": e.model.samples,
                          "profiled": e.profiled, "profiling": e.profiling,
                          "profiles": e.profiles, "profile_failures": e.profile_failures,

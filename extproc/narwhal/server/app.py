@@ -136,6 +136,11 @@ async def serve(config: Config) -> None:
         await discover_once(router, config.discovery)  # the pool exists before telemetry
         tasks.append(asyncio.ensure_future(discovery_loop(router, config.discovery)))
     tasks.append(asyncio.ensure_future(telemetry_loop(router)))
+    kv_engines = [e for e in router.engines if e.kv is not None]
+    if kv_engines:
+        from .kv_events import kv_events_loop  # pyzmq only where engines publish events
+
+        tasks += [asyncio.ensure_future(kv_events_loop(router, e)) for e in kv_engines]
     tracer = None
     if config.telemetry.tracing.enabled:
         try:

@@ -1,0 +1,232 @@
+"""What an engine's KV cache really holds, from the engine's own KV-cache events.
+
+vLLM (``--kv-events-config``, ZMQ publisher) publishes a batch of events whenever its
+block pool changes: ``BlockStored`` (full blocks of prompt or output tokens hashed into
+the prefix cache, each with its parent, the tokens and the block size), ``BlockRemoved``
+(evicted), ``AllBlocksCleared`` (a reset). With them a router knows which prompt blocks
+an engine holds instead of guessing from what it sent there (``prefix.PrefixIndex``).
+
+The engine's block hashes are its own (a seeded hash the router cannot recompute), so
+each stored block is re-keyed here by a chain over the block's *token IDs* — the chain a
+request's prompt IDs produce in ``KvBlocks.match`` — and the engine's hash only names a
+block for its removal. A stored block whose parent is unknown (events missed, or a
+subscriber that joined late) is not indexed: its chain cannot be known.
+
+Everything an engine sends is bounded: payload size (by the adapter), events per batch,
+tokens per event, and the table itself (``capacity`` blocks, oldest dropped first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+MAX_EVENTS = 65_536  # per batch
+MAX_BLOCKS = 4096  # per event
+MAX_BLOCK_SIZE = 1024  # tokens
+
+
+class KvEventError(ValueError):
+    """A batch that is not vLLM's KV-event format."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    hashes: list[Any]
+    parent: Any
+    token_ids: list[int]
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    hashes: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    pass
+
+
+KvEvent = Stored | Removed | Cleared
+_DECODER = msgspec.msgpack.Decoder()
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
+
+
+def _hash(value: Any) -> Any:
+    if isinstance(value, bytes) and len(value) <= 64:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise KvEventError(f"block hash must be bytes or an integer, got {type(value).__name__}")
+
+
+def _hashes(value: Any) -> list[Any]:
+    if not isinstance(value, list) or len(value) > MAX_BLOCKS:
+        raise KvEventError("block_hashes must be a list of at most "
+                           f"{MAX_BLOCKS} hashes")
+    return [_hash(h) for h in value]
+
+
+def _event(raw: Any) -> KvEvent | None:
+    """One event: a map tagged ``type`` (msgspec's tagged struct), or an array whose first
+    item is the tag (the array-like form). Unknown tags are skipped (newer engines)."""
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        fields = raw
+    elif isinstance(raw, list) and raw and isinstance(raw[0], str):
+        tag = raw[0]
+        names = {"BlockStored": _STORED_FIELDS, "BlockRemoved": ("block_hashes",)}.get(tag, ())
+        fields = dict(zip(names, raw[1:], strict=False))
+    else:
+        raise KvEventError("an event must be a tagged map or array")
+    if tag == "BlockStored":
+        hashes = _hashes(fields.get("block_hashes"))
+        parent = fields.get("parent_block_hash")
+        ids = fields.get("token_ids")
+        size = fields.get("block_size")
+        if not (isinstance(size, int) and not isinstance(size, bool)
+                and 0 < size <= MAX_BLOCK_SIZE):
+            raise KvEventError(f"block_size must be 1..{MAX_BLOCK_SIZE}")
+        if not (isinstance(ids, list) and len(ids) <= size * len(hashes)
+                and all(type(i) is int for i in ids)):
+            raise KvEventError("token_ids must be integers, at most block_size per block")
+        return Stored(hashes, None if parent is None else _hash(parent), ids, size)
+    if tag == "BlockRemoved":
+        return Removed(_hashes(fields.get("block_hashes")))
+    if tag == "AllBlocksCleared":
+        return Cleared()
+    return None
+
+
+def decode_batch(payload: bytes) -> list[KvEvent]:
+    """A published batch (``[ts, [events...], dp_rank?]``) as events, in order."""
+    try:
+        raw = _DECODER.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise KvEventError(f"not msgpack: {exc}") from None
+    if not (isinstance(raw, list) and len(raw) >= 2 and isinstance(raw[1], list)):
+        raise KvEventError("a batch must be [ts, [events...]]")
+    if len(raw[1]) > MAX_EVENTS:
+        raise KvEventError(f"more than {MAX_EVENTS} events in one batch")
+    return [e for e in (_event(r) for r in raw[1]) if e is not None]
+
+
+def chain(token_ids: list[int], block_size: int) -> list[int]:
+    """Chained keys of the full blocks of ``token_ids`` (block i's covers blocks 0..i)."""
+    out: list[int] = []
+    h = block_size
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        h = hash((h, tuple(token_ids[start:start + block_size])))
+        out.append(h)
+    return out
+
+
+class KvBlocks:
+    """One engine's prefix-cache blocks as its events report them."""
+
+    __slots__ = ("capacity", "stale_s", "by_engine", "held", "block_size", "batches",
+                 "errors", "events_at", "pending_since", "unchained")
+
+    def __init__(self, capacity: int, stale_s: float = 5.0) -> None:
+        self.capacity = capacity
+        self.stale_s = stale_s
+        self.by_engine: dict[Any, int] = {}  # the engine's hash -> the block's chain key
+        self.held: OrderedDict[int, int] = OrderedDict()  # chain key -> engine blocks with it
+        self.block_size = 0  # learnt from the first stored block
+        self.batches = 0
+        self.errors = 0
+        self.unchained = 0  # stored blocks skipped: their parent was never seen
+        self.events_at: float | None = None  # when the last batch arrived
+        self.pending_since: float | None = None  # first dispatch since that batch
+
+    # -- what the engine says ------------------------------------------------------
+    def apply(self, events: list[KvEvent], now: float) -> None:
+        for ev in events:
+            if isinstance(ev, Stored):
+                self._stored(ev)
+            elif isinstance(ev, Removed):
+                for h in ev.hashes:
+                    self._drop(h)
+            else:
+                self.clear()
+        self.batches += 1
+        self.events_at = now
+        self.pending_since = None
+
+    def _stored(self, ev: Stored) -> None:
+        if ev.parent is None:
+            key: int | None = ev.block_size
+        else:
+            key = self.by_engine.get(ev.parent)
+        if key is None:
+            self.unchained += len(ev.hashes)
+            return
+        self.block_size = ev.block_size
+        size = ev.block_size
+        for i, h in enumerate(ev.hashes):
+            block = ev.token_ids[i * size:(i + 1) * size]
+            if len(block) < size:
+                return  # vLLM stores full blocks only
+            key = hash((key, tuple(block)))
+            old = self.by_engine.get(h)
+            if old == key:
+                continue
+            if old is not None:
+                self._release(old)
+            self.by_engine[h] = key
+            self.held[key] = self.held.get(key, 0) + 1
+            self.held.move_to_end(key)
+        while len(self.by_engine) > self.capacity:
+            self._drop(next(iter(self.by_engine)))
+
+    def _drop(self, engine_hash: Any) -> None:
+        key = self.by_engine.pop(engine_hash, None)
+        if key is not None:
+            self._release(key)
+
+    def _release(self, key: int) -> None:
+        n = self.held.get(key, 0) - 1
+        if n > 0:
+            self.held[key] = n
+        else:
+            self.held.pop(key, None)
+
+    def clear(self) -> None:
+        self.by_engine.clear()
+        self.held.clear()
+
+    def failed(self) -> None:
+        """A batch that could not be read, or a gap in the sequence: what was missed may
+        have removed anything, so nothing held is known any more."""
+        self.errors += 1
+        self.clear()
+
+    # -- what the router asks ------------------------------------------------------
+    def dispatched(self, now: float) -> None:
+        if self.pending_since is None:
+            self.pending_since = now
+
+    def live(self, now: float) -> bool:
+        """Events are flowing: some have come, and none is overdue after a dispatch (an
+        engine that computes a prompt stores its blocks within a step or two)."""
+        if self.events_at is None:
+            return False
+        return self.pending_since is None or now - self.pending_since <= self.stale_s
+
+    def match(self, token_ids: list[int]) -> int:
+        """Prompt tokens the engine holds as a cached prefix (whole blocks; never the
+        last prompt token, which the engine always computes)."""
+        size = self.block_size
+        if not size or not self.held:
+            return 0
+        n = 0
+        held = self.held
+        for key in chain(token_ids[:len(token_ids) - 1], size):
+            if key not in held:
+                break
+            n += 1
+        return n * size

@@ -1,0 +1,64 @@
+"""Subscribing to engines' KV-cache events (``engines[].kv_events``) over ZMQ.
+
+vLLM binds its publisher (``--kv-events-config '{"enable_kv_cache_events": true,
+"publisher": "zmq", "endpoint": "tcp://*:5557"}'``); Narwhal connects one SUB socket per
+engine, so the connection names the engine. Each message is ``[topic, seq, payload]``;
+a gap in ``seq`` (events dropped, or the engine restarted and counts from 0 again) means
+what the engine holds is no longer known, and the reported blocks are forgotten. The
+payload's meaning is the core's (``Pool.observe_kv_events``); this loop only reads,
+bounded: ZMQ drops a message over ``MAX_PAYLOAD`` bytes before it is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+
+from ..core.engines import EngineState
+from ..core.kv_events import KvEventError
+from ..core.router import Router
+
+log = logging.getLogger("narwhal.kv_events")
+MAX_PAYLOAD = 16 * 1024 * 1024
+RCV_HWM = 10_000
+
+
+async def kv_events_loop(router: Router, engine: EngineState) -> None:
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD)
+    sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(engine.config.kv_events)
+    log.info("engine %s: KV events from %s", engine.name, engine.config.kv_events)
+    last_seq: int | None = None
+    warned = 0
+    try:
+        while True:
+            parts = await sock.recv_multipart()
+            kv = engine.kv
+            if kv is None:
+                return
+            if len(parts) != 3 or len(parts[1]) != 8:
+                kv.failed()
+                continue
+            seq = int.from_bytes(parts[1], "big", signed=True)
+            if last_seq is not None and seq != last_seq + 1:
+                kv.failed()  # what was missed may have evicted anything
+            last_seq = seq
+            try:
+                router.pool.observe_kv_events(engine, parts[2], router.clock())
+            except KvEventError as exc:
+                if warned < 10:  # an engine that keeps sending garbage does not flood logs
+                    warned += 1
+                    log.warning("engine %s: unreadable KV event batch: %s", engine.name, exc)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # the subscriber must never take the router down
+        log.exception("engine %s: KV event subscriber failed", engine.name)
+    finally:
+        sock.close(linger=0)
