@@ -34,7 +34,8 @@ test: $(STAMP) $(HELM) lint containers vllm
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(BIN)/pytest
 
 bench: $(STAMP)
-	$(BIN)/python -m bench.datapath
+	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/python -m bench.datapath --plot docs/bench-datapath.png
 
 bench-scheduling: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'

@@ -10,7 +10,8 @@ from narwhal.core.exchange import Body, Headers, Immediate, Trailers
 from narwhal.server.extproc import encode, to_proto
 
 
-@pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 16383, 16384, 70000, 2_100_000])
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 15990, 15996, 16000, 16383, 16384, 70000,
+                                  2_100_000])
 @pytest.mark.parametrize("response", [True, False])
 @pytest.mark.parametrize("eos", [True, False])
 def test_body_encoding_matches_protobuf(size, response, eos):

@@ -33,6 +33,13 @@ class SSEParser:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         nl = chunk.find(b"\n")
+        # The common chunk is exactly one event, ``data: {...}\n\n``, with nothing held
+        # from earlier chunks: answer it without the line loop (it runs per token).
+        end = len(chunk) - 2
+        if (nl == end and self._data is None and not self._pending and nl > 6 and not self._size
+                and chunk.startswith(b"data: ") and chunk[end + 1] == 0x0A
+                and chunk[end - 1] != 0x0D and end + 2 <= self._max):
+            return [chunk[6:end]]
         if nl < 0:
             if chunk:
                 self._pending.append(chunk)

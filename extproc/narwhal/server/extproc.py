@@ -95,15 +95,22 @@ def _lb_metadata(destination: str) -> struct_pb2.Struct:
     return md
 
 
-def _varint(n: int) -> bytes:
-    if n < 0x80:
-        return bytes((n,))
+def _varint_slow(n: int) -> bytes:
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+# Lengths under 16 KiB (every token event, most replies) are a table lookup: encoding a
+# streamed body reply takes five of them per token event.
+_VARINTS = tuple(_varint_slow(n) for n in range(1 << 14))
+
+
+def _varint(n: int) -> bytes:
+    return _VARINTS[n] if n < 16384 else _varint_slow(n)
 
 
 def _field(tag: bytes, payload: bytes) -> bytes:
@@ -137,13 +144,26 @@ def encode(action: Action) -> bytes:
             out += _field(b"\x42", _lb_metadata_bytes(action.destination))  # dynamic_metadata=8
         return out
     if action.__class__ is Body:
-        # StreamedBodyResponse.body = 1 (omitted when empty, as proto3 does)
-        streamed = _field(b"\x0a", action.data) if action.data else b""
-        if action.end_of_stream:
-            streamed += b"\x10\x01"  # end_of_stream = 2
+        # ProcessingResponse.response_body=4 (request_body=3) > BodyResponse.response=1 >
+        # CommonResponse.body_mutation=3 > BodyMutation.streamed_response=3 >
+        # StreamedBodyResponse{body=1 (omitted when empty, as proto3 does),
+        # end_of_stream=2}. The lengths are computed inside out and the bytes joined once:
+        # this runs for every token event.
+        data = action.data
+        n = len(data)
+        v = _VARINTS
+        head = (b"\x0a" + (v[n] if n < 16384 else _varint_slow(n))) if n else b""
+        tail = b"\x10\x01" if action.end_of_stream else b""
+        l1 = len(head) + n + len(tail)
+        if l1 < 16000:
+            l2 = 1 + len(v[l1]) + l1
+            l3 = 1 + len(v[l2]) + l2
+            l4 = 1 + len(v[l3]) + l3
+            return b"".join(((b"\x22" if action.response else b"\x1a"), v[l4], b"\x0a",
+                             v[l3], b"\x1a", v[l2], b"\x1a", v[l1], head, data, tail))
+        streamed = head + data + tail
         body = _field(b"\x0a", _field(b"\x1a", _field(b"\x1a", streamed)))
-        # BodyResponse.response=1 > CommonResponse.body_mutation=3 > streamed_response=3
-        return _field(b"\x22" if action.response else b"\x1a", body)  # response_body=4
+        return _field(b"\x22" if action.response else b"\x1a", body)
     return to_proto(action).SerializeToString()
 
 
