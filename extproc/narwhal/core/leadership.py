@@ -150,10 +150,6 @@ class Leadership:
         self.renewed_at = sent_at
         self.was_leader = True
 
-    def failed(self) -> None:
-        """A write was refused (409: someone else wrote first) or did not arrive. Nothing
-        to undo: the deadline runs from the last success, and the next read tells more."""
-
     def release(self) -> Write | None:
         """On shutdown: stop admitting now, and hand the Lease over (empty holder, so a
         standby takes it at its next read instead of waiting for expiry)."""

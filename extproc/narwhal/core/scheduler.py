@@ -163,8 +163,6 @@ class Scheduler:
         picked = ranked[0]
         t.fallbacks = tuple(c.engine for c in ranked[1:1 + self.config.scheduler.fallbacks])
         e = picked.engine
-        e.prefill += 1
-        e.dispatched += 1
         t.engine = e
         t.dispatched_at = now
         if t.predicted_ttft_s is not None:  # the projection of the engine it got
@@ -175,12 +173,9 @@ class Scheduler:
             e.predicted_hit_rate += 0.05 * (picked.cached - e.predicted_hit_rate)
             e.index_tokens += t.tokens
             e.index_cached_tokens += t.tokens * picked.cached
-        if t.blocks:
-            e.prefix.insert(t.blocks)
         if e.kv is not None:
             e.kv.dispatched(now)
-        e.prefill_work += t.work
-        e.decode_backlog += t.predicted_output
+        _book(e, t)
         t.work_ahead = e.prefill_work
         t.decodes_at_dispatch = e.decode + e.prefill - 1  # as projected (placement.project)
         return e
@@ -207,17 +202,9 @@ class Scheduler:
             new = next((e for e in self.pool.engines if e.endpoint == endpoint), None)
         if new is None:
             return None
-        old.prefill -= 1
-        old.prefill_work = max(0.0, old.prefill_work - t.work)
-        old.decode_backlog = max(0, old.decode_backlog - t.predicted_output)
-        old.dispatched -= 1
+        _unbook(old, t)
         old.failovers += 1
-        new.prefill += 1
-        new.prefill_work += t.work
-        new.decode_backlog += t.predicted_output
-        new.dispatched += 1
-        if t.blocks:
-            new.prefix.insert(t.blocks)
+        _book(new, t)
         t.engine = new
         t.failover = True
         if old.retired and old.in_flight == 0:
@@ -289,6 +276,26 @@ class Scheduler:
             self.learning.completed(t, output_tokens, last_token_at)
         if e.retired and e.in_flight == 0:
             self.pool.sweep()
+
+
+def _book(e: EngineState, t: Ticket) -> None:
+    """What a request placed on ``e`` holds there until its first token: a prefill slot,
+    its uncached prompt as work ahead of later requests, its predicted output as decode
+    backlog; and its prompt's blocks join the engine's prefix index."""
+    e.prefill += 1
+    e.dispatched += 1
+    e.prefill_work += t.work
+    e.decode_backlog += t.predicted_output
+    if t.blocks:
+        e.prefix.insert(t.blocks)
+
+
+def _unbook(e: EngineState, t: Ticket) -> None:
+    """Undo ``_book``: the request did not go to ``e`` after all (a fallback served)."""
+    e.prefill -= 1
+    e.dispatched -= 1
+    e.prefill_work = max(0.0, e.prefill_work - t.work)
+    e.decode_backlog = max(0, e.decode_backlog - t.predicted_output)
 
 
 __all__ = ["Candidate", "Decision", "Dispatch", "Queued", "Refuse", "Scheduler", "Ticket"]

@@ -67,7 +67,8 @@ class LeaseLoop:
         except Exception as exc:
             if status_code(exc) != 409:  # 409: another replica wrote first, as designed
                 log.warning("lease %s: write failed: %r", self.cfg.lease_name, exc)
-            self.lead.failed()
+            # Nothing to undo in the core: its deadline runs from the last success, and
+            # the next read tells more.
             return
         self.lead.written(sent, clock(), LeaseRecord.from_object(out.to_dict()))
         if w.acquiring and self.lead.leading(clock()):
