@@ -52,7 +52,7 @@ def test_defaults():
     ({"admission": {"queue_limit": True}}, "expected an integer"),
     ({"serving": {"extproc_socket": "narwhal.sock"}}, "serving.extproc_socket: expected an absolute"),
     ({"serving": {"extproc_socket": "/" + "x" * 120}}, "under 108 bytes"),
-    ({"serving": {"extproc_socket": 9002}}, "serving.extproc_socket: expected a socket path"),
+    ({"serving": {"extproc_socket": 9002}}, "serving.extproc_socket: expected an absolute"),
     ({"engines": [{"name": "a", "url": "http://h:1", "kv_events": "h:5557"}]},
      "engines[0].kv_events: expected a ZMQ endpoint"),
     ([1], "top level"),

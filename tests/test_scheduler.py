@@ -294,7 +294,7 @@ def test_tokenizer_config_errors(tmp_path):
     from narwhal.config import ConfigError
     from narwhal.core.sizing import SizingError
 
-    with pytest.raises(ConfigError, match="no such file"):
+    with pytest.raises(ConfigError, match="expected an existing tokenizer file"):
         parse({"sizing": {"tokenizer": str(tmp_path / "missing.json")}})
     bad = tmp_path / "bad.json"
     bad.write_text("{}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -226,6 +227,14 @@ POSITIVE = {
     "router.leader_election.retry_period_ms",
     "engines.tpot_ms", "sizing.bytes_per_token", "engines.interval_ms",
 }
+# String settings where "" means none: what a set value must satisfy, and what it is.
+OPTIONAL_STRINGS: dict[str, tuple[Callable[[str], bool], str]] = {
+    "engines.kv_events": (lambda v: v.startswith(("tcp://", "ipc://")) and len(v) < 512,
+                          "a ZMQ endpoint (tcp://host:port or ipc://path)"),
+    "serving.extproc_socket": (lambda v: v.startswith("/") and len(v.encode()) < 108,
+                               "an absolute path under 108 bytes (a Unix socket's limit)"),
+    "sizing.tokenizer": (lambda v: Path(v).is_file(), "an existing tokenizer file"),
+}
 PORTS = {"serving.extproc_port", "telemetry.admin_port", "engines.port"}
 
 
@@ -275,24 +284,11 @@ def _check(hint: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
         return value
     if hint is str:
-        if generic_key == "engines.kv_events":
-            if not isinstance(value, str) or (value and not (
-                    value.startswith(("tcp://", "ipc://")) and len(value) < 512)):
-                raise ConfigError(f"{key}: expected a ZMQ endpoint (tcp://host:port or "
-                                  f"ipc://path), got {value!r}")
-            return value
-        if key == "serving.extproc_socket":
-            if not isinstance(value, str):
-                raise ConfigError(f"{key}: expected a socket path, got {value!r}")
-            if value and not (value.startswith("/") and len(value.encode()) < 108):
-                raise ConfigError(f"{key}: expected an absolute path under 108 bytes (a Unix "
-                                  f"socket's limit), got {value!r}")
-            return value
-        if key == "sizing.tokenizer":
-            if not isinstance(value, str):
-                raise ConfigError(f"{key}: expected a file path, got {value!r}")
-            if value and not Path(value).is_file():
-                raise ConfigError(f"{key}: no such file: {value}")
+        optional = OPTIONAL_STRINGS.get(generic_key)
+        if optional is not None:  # "" means none; anything else must be well formed
+            valid, expected = optional
+            if not isinstance(value, str) or (value and not valid(value)):
+                raise ConfigError(f"{key}: expected {expected}, got {value!r}")
             return value
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")

@@ -42,6 +42,36 @@ class RecordSink(Protocol):
 RECORDS: list[RecordSink] = []
 
 
+class Alarm:
+    """One timer kept on a wake-up time the core returned; re-armed only when it changes
+    (checked after every step, so it must cost nothing when it does not)."""
+
+    __slots__ = ("timers", "clock", "callback", "handle", "at")
+
+    def __init__(self, timers: Timers, clock: Callable[[], float],
+                 callback: Callable[[], None]) -> None:
+        self.timers = timers
+        self.clock = clock
+        self.callback = callback
+        self.handle: TimerHandle | None = None
+        self.at: float | None = None
+
+    def set(self, when: float | None) -> None:
+        if when == self.at:
+            return
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+        self.at = when
+        if when is not None:
+            self.handle = self.timers.call_later(max(0.0, when - self.clock()), self._fire)
+
+    def _fire(self) -> None:
+        self.handle = None
+        self.at = None
+        self.callback()
+
+
 class Runtime:
     """Per router: the live drivers (to find the exchange a dispatched ticket belongs
     to), the close-verdict timer, and draining the router's dispatches."""
@@ -50,8 +80,7 @@ class Runtime:
         self.router = router
         self.timers = timers
         self.live: dict[Exchange, Driver] = {}
-        self.closes_timer: TimerHandle | None = None
-        self.closes_at: float | None = None
+        self.closes = Alarm(timers, router.clock, self._closes_due)
         router.listeners.append(self.drain)  # background commands pump, then notify
 
     def drain(self) -> None:
@@ -67,20 +96,9 @@ class Runtime:
 
     def sync_closes(self) -> None:
         """Keep one timer on the oldest wait for a close verdict."""
-        when = self.router.closes.wake_at()
-        if when == self.closes_at:
-            return
-        if self.closes_timer is not None:
-            self.closes_timer.cancel()
-            self.closes_timer = None
-        self.closes_at = when
-        if when is not None:
-            self.closes_timer = self.timers.call_later(max(0.0, when - self.router.clock()),
-                                                       self._closes_due)
+        self.closes.set(self.router.closes.wake_at())
 
     def _closes_due(self) -> None:
-        self.closes_timer = None
-        self.closes_at = None
         self.router.closes.expire(self.router.clock())
         self.sync_closes()
 
@@ -89,7 +107,7 @@ class Driver:
     """One exchange, driven for a transport adapter. ``send`` writes the actions of a
     step in order; ``flush`` (optional) pushes writes made outside a message's turn."""
 
-    __slots__ = ("runtime", "ex", "send", "flush", "timer", "timer_at")
+    __slots__ = ("runtime", "ex", "send", "flush", "alarm")
 
     def __init__(self, runtime: Runtime, send: Send,
                  flush: Callable[[], None] | None = None) -> None:
@@ -97,8 +115,7 @@ class Driver:
         self.ex = Exchange(runtime.router)
         self.send = send
         self.flush = flush
-        self.timer: TimerHandle | None = None
-        self.timer_at: float | None = None
+        self.alarm = Alarm(runtime.timers, runtime.router.clock, self._due)
         runtime.live[self.ex] = self
 
     def step(self, call: Callable[..., list[Action]], *args: object) -> None:
@@ -143,20 +160,9 @@ class Driver:
             self.runtime.drain()
 
     def _sync_timer(self) -> None:
-        when = self.ex.wake_at
-        if when == self.timer_at:
-            return
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        self.timer_at = when
-        if when is not None:
-            self.timer = self.runtime.timers.call_later(
-                max(0.0, when - self.runtime.router.clock()), self._due)
+        self.alarm.set(self.ex.wake_at)
 
     def _due(self) -> None:
-        self.timer = None
-        self.timer_at = None
         try:
             actions = self.ex.expire()
         except Exception as exc:
