@@ -74,8 +74,10 @@ class Rls:
 
 def _ttft_features(work: float, decodes: int) -> list[float]:
     # Scaled so that the prior's variances are of one order: seconds per 1000 tokens.
+    # The fourth: even a short prefill waits out whole steps, and a step is longer with
+    # more sequences in it (the intercept grows with the decode batch).
     k = work / 1000
-    return [1.0, k, k * decodes / 100]
+    return [1.0, k, k * decodes / 100, decodes / 100]
 
 
 def _tpot_features(decodes: int) -> list[float]:
@@ -105,8 +107,8 @@ class PerfModel:
     def __post_init__(self) -> None:
         # Wide priors (a step of 1 s, 10 s per 1000 tokens are within one deviation): the
         # seeds are guesses, and a slow engine must be learned from its first few samples.
-        self.ttft = Rls([self.overhead_ms / 1000, 1000 / self.prefill_tps, 0.0],
-                        [1.0, 100.0, 1.0], TTFT_FORGET)
+        self.ttft = Rls([self.overhead_ms / 1000, 1000 / self.prefill_tps, 0.0, 0.0],
+                        [1.0, 100.0, 1.0, 1.0], TTFT_FORGET)
         self.tpot = Rls([self.tpot_ms / 1000, 0.0], [1.0, 1.0], TPOT_FORGET)
 
     # -- predictions -------------------------------------------------------------------
