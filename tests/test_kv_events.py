@@ -41,25 +41,46 @@ def test_stored_blocks_chain_across_events_and_match_a_prompt():
     kv.apply(decode_batch(batch(stored([b"h1", b"h2"], None, [1, 2, 3, 4, 5, 6, 7, 8]))), 1.0)
     kv.apply(decode_batch(batch(stored([b"h3"], b"h2", [9, 10, 11, 12]))), 2.0)
     prompt = list(range(1, 13)) + [99, 98]
-    assert kv.match(prompt) == 12 and kv.block_size == BS
-    assert kv.match([1, 2, 3, 4, 0, 0, 0, 0, 9]) == 4  # one different block ends the match
-    assert kv.match([9, 10, 11, 12, 1]) == 0  # a block is its whole prefix, not its tokens
+    assert kv.match(prompt)[0] == 12 and kv.block_size == BS
+    assert kv.match([1, 2, 3, 4, 0, 0, 0, 0, 9])[0] == 4  # one different block ends it
+    assert kv.match([9, 10, 11, 12, 1])[0] == 0  # a block is its whole prefix, not its tokens
 
 
 def test_the_last_prompt_token_is_never_a_hit():
     kv = KvBlocks(100)
     kv.apply(decode_batch(batch(stored([b"a", b"b"], None, list(range(8))))), 1.0)
-    assert kv.match(list(range(8))) == 4  # the engine computes the last token itself
-    assert kv.match(list(range(9))) == 8
+    assert kv.match(list(range(8)))[0] == 4  # the engine computes the last token itself
+    assert kv.match(list(range(9)))[0] == 8
 
 
 def test_removed_and_cleared_forget_blocks():
     kv = KvBlocks(100)
     kv.apply(decode_batch(batch(stored([b"a", b"b"], None, list(range(8))))), 1.0)
     kv.apply(decode_batch(batch(removed([b"b"]))), 2.0)
-    assert kv.match(list(range(9))) == 4
+    assert kv.match(list(range(9))) == (4, True)  # known: the engine evicted block 2
     kv.apply(decode_batch(batch({"type": "AllBlocksCleared"})), 3.0)
-    assert kv.match(list(range(9))) == 0 and not kv.by_engine and not kv.held
+    assert kv.match(list(range(9)))[0] == 0 and not kv.by_engine and not kv.held
+
+
+def test_a_history_seen_from_the_engines_start_is_complete_and_a_gap_ends_that():
+    kv = KvBlocks(100)
+    kv.sequence(0)  # the engine's first batch: everything it holds, Narwhal saw stored
+    kv.apply(decode_batch(batch(stored([b"a"], None, [1, 2, 3, 4]))), 1.0)
+    assert kv.complete and kv.match([1, 2, 3, 4, 5, 6, 7, 8, 9]) == (4, True)
+    kv.sequence(1)
+    kv.sequence(3)  # batch 2 was lost: it may have evicted anything
+    assert not kv.complete and not kv.held and kv.errors == 1
+    kv.apply(decode_batch(batch(stored([b"a"], None, [1, 2, 3, 4]))), 2.0)
+    assert kv.match([1, 2, 3, 4, 5, 6, 7, 8, 9]) == (4, False)  # block 2: unknown now
+    kv.sequence(0)  # the engine restarted: its cache is empty, its history complete again
+    assert kv.complete and not kv.held
+
+
+def test_listening_from_the_middle_leaves_unseen_blocks_unknown():
+    kv = KvBlocks(100)
+    kv.sequence(41)
+    kv.apply(decode_batch(batch(stored([b"a"], None, [1, 2, 3, 4]))), 1.0)
+    assert not kv.complete and kv.match([5, 6, 7, 8, 9]) == (0, False)
 
 
 def test_a_block_whose_parent_was_never_seen_is_not_indexed():
@@ -136,6 +157,9 @@ def test_projection_counts_only_the_reported_uncached_prompt_and_falls_back_when
     t.prompt_ids = list(range(10))
     c = project(e, t, now=now[0])
     assert c.cached == pytest.approx(0.8) and c.work == pytest.approx(2.0)
+    # Heard from the middle of the engine's history, where the reported blocks end
+    # unknown, what Narwhal sent there may say more (it said nothing here: 0.8 stays).
+    assert not e.kv.complete and project(e, t, now=now[0]).cached == pytest.approx(0.8)
     e.kv.dispatched(now[0])
     now[0] += 6.0  # events stopped: the approximate index (empty here) decides again
     assert project(e, t, now=now[0]).cached == 0.0
@@ -175,3 +199,19 @@ def test_chat_prompt_renders_the_template_in_the_engines_content_format():
     raising = PromptIds(Tok(), "{{ raise_exception('no') }}", {})
     assert raising.ids(body, True) is None  # that request is matched approximately
     assert "".join(map(chr, plain.ids({"prompt": "abc"}, False))) == "abc"
+
+
+def test_where_reported_blocks_are_unknown_the_index_may_say_more_and_not_otherwise():
+    now = [100.0]
+    router = router_with_events(lambda: now[0])
+    e = router.engines[0]
+    assert e.kv is not None
+    router.pool.observe_kv_events(e, batch(stored([b"x"], None, [7, 7, 7, 7])), now[0], 12)
+    t = Ticket(object(), 100, now[0], 1.0, now[0] + 60)
+    t.prompt_ids = list(range(100))  # not among the reported blocks
+    t.blocks, t.block_units, t.prompt_units = [11, 12, 13], 16, 100
+    e.prefix.insert([11, 12, 13])  # Narwhal sent this prompt's first 48 tokens there
+    assert project(e, t, now=now[0]).cached == pytest.approx(0.48)  # listening mid-history
+    router.pool.observe_kv_events(e, batch(stored([b"y"], None, [7, 7, 7, 7])), now[0], 0)
+    # The engine restarted and every batch since was seen: not reported is not cached.
+    assert e.kv.complete and project(e, t, now=now[0]).cached == 0.0

@@ -129,7 +129,8 @@ class KvBlocks:
     """One engine's prefix-cache blocks as its events report them."""
 
     __slots__ = ("capacity", "stale_s", "by_engine", "held", "block_size", "batches",
-                 "errors", "events_at", "pending_since", "unchained")
+                 "errors", "events_at", "pending_since", "unchained", "removed", "last_seq",
+                 "complete")
 
     def __init__(self, capacity: int, stale_s: float = 5.0) -> None:
         self.capacity = capacity
@@ -140,10 +141,31 @@ class KvBlocks:
         self.batches = 0
         self.errors = 0
         self.unchained = 0  # stored blocks skipped: their parent was never seen
+        # Chain keys the engine reported evicting (bounded): known not held.
+        self.removed: OrderedDict[int, None] = OrderedDict()
+        self.last_seq: int | None = None
+        # Every batch since the engine's first (sequence 0) was seen: a block not held is
+        # known not cached. Otherwise blocks stored before Narwhal listened are unknown.
+        self.complete = False
         self.events_at: float | None = None  # when the last batch arrived
         self.pending_since: float | None = None  # first dispatch since that batch
 
     # -- what the engine says ------------------------------------------------------
+    def sequence(self, seq: int) -> None:
+        """A batch's sequence number, before it is applied. The engine counts from 0; a
+        gap means batches were lost (anything may have been evicted: forget), a restart
+        starts again at 0 (its cache is empty: forget, and know everything from here)."""
+        last = self.last_seq
+        if seq == 0:
+            if last is not None:
+                self.clear()
+            self.complete = True
+        elif last is None:
+            self.complete = False  # listening since the middle of the engine's history
+        elif seq != last + 1:
+            self.failed()
+        self.last_seq = seq
+
     def apply(self, events: list[KvEvent], now: float) -> None:
         for ev in events:
             if isinstance(ev, Stored):
@@ -180,6 +202,7 @@ class KvBlocks:
             self.by_engine[h] = key
             self.held[key] = self.held.get(key, 0) + 1
             self.held.move_to_end(key)
+            self.removed.pop(key, None)
         while len(self.by_engine) > self.capacity:
             self._drop(next(iter(self.by_engine)))
 
@@ -194,16 +217,21 @@ class KvBlocks:
             self.held[key] = n
         else:
             self.held.pop(key, None)
+            self.removed[key] = None
+            if len(self.removed) > self.capacity:
+                self.removed.popitem(last=False)
 
     def clear(self) -> None:
         self.by_engine.clear()
         self.held.clear()
+        self.removed.clear()
 
     def failed(self) -> None:
         """A batch that could not be read, or a gap in the sequence: what was missed may
         have removed anything, so nothing held is known any more."""
         self.errors += 1
         self.clear()
+        self.complete = False
 
     # -- what the router asks ------------------------------------------------------
     def dispatched(self, now: float) -> None:
@@ -217,16 +245,22 @@ class KvBlocks:
             return False
         return self.pending_since is None or now - self.pending_since <= self.stale_s
 
-    def match(self, token_ids: list[int]) -> int:
+    def match(self, token_ids: list[int]) -> tuple[int, bool]:
         """Prompt tokens the engine holds as a cached prefix (whole blocks; never the
-        last prompt token, which the engine always computes)."""
+        last prompt token, which the engine always computes), and whether that is known:
+        the walk ended at a block the engine reported evicting, at the prompt's end, or
+        with the engine's whole history seen. Else the first missing block may have been
+        stored before Narwhal listened (vLLM reports no cache hits), and another estimate
+        may know better."""
         size = self.block_size
-        if not size or not self.held:
-            return 0
+        if not size:
+            return 0, self.complete
         n = 0
         held = self.held
+        known = True
         for key in chain(token_ids[:len(token_ids) - 1], size):
             if key not in held:
+                known = self.complete or key in self.removed
                 break
             n += 1
-        return n * size
+        return n * size, known

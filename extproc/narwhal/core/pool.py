@@ -53,11 +53,15 @@ class Pool:
         self.engines.append(e)
         return e
 
-    def observe_kv_events(self, e: EngineState, payload: bytes, now: float) -> None:
-        """A batch from the engine's KV-event publisher. One that cannot be read counts
-        as an error and forgets what was held (what it said is unknown)."""
+    def observe_kv_events(self, e: EngineState, payload: bytes, now: float,
+                          seq: int | None = None) -> None:
+        """A batch from the engine's KV-event publisher (``seq``: its sequence number).
+        One that cannot be read counts as an error and forgets what was held (what it
+        said is unknown)."""
         if e.kv is None:
             return
+        if seq is not None:
+            e.kv.sequence(seq)
         try:
             events = decode_batch(payload)
         except KvEventError:

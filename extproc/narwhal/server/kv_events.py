@@ -2,11 +2,11 @@
 
 vLLM binds its publisher (``--kv-events-config '{"enable_kv_cache_events": true,
 "publisher": "zmq", "endpoint": "tcp://*:5557"}'``); Narwhal connects one SUB socket per
-engine, so the connection names the engine. Each message is ``[topic, seq, payload]``;
-a gap in ``seq`` (events dropped, or the engine restarted and counts from 0 again) means
-what the engine holds is no longer known, and the reported blocks are forgotten. The
-payload's meaning is the core's (``Pool.observe_kv_events``); this loop only reads,
-bounded: ZMQ drops a message over ``MAX_PAYLOAD`` bytes before it is read.
+engine, so the connection names the engine. Each message is ``[topic, seq, payload]``.
+What the sequence and the payload mean is the core's (``KvBlocks.sequence``: a gap
+forgets the reported blocks, a restart at 0 starts a complete history;
+``Pool.observe_kv_events``); this loop only reads, bounded: ZMQ drops a message over
+``MAX_PAYLOAD`` bytes before it is read.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ async def kv_events_loop(router: Router, engine: EngineState) -> None:
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.connect(engine.config.kv_events)
     log.info("engine %s: KV events from %s", engine.name, engine.config.kv_events)
-    last_seq: int | None = None
     warned = 0
     try:
         while True:
@@ -47,11 +46,8 @@ async def kv_events_loop(router: Router, engine: EngineState) -> None:
                 kv.failed()
                 continue
             seq = int.from_bytes(parts[1], "big", signed=True)
-            if last_seq is not None and seq != last_seq + 1:
-                kv.failed()  # what was missed may have evicted anything
-            last_seq = seq
             try:
-                router.pool.observe_kv_events(engine, parts[2], router.clock())
+                router.pool.observe_kv_events(engine, parts[2], router.clock(), seq)
             except KvEventError as exc:
                 if warned < 10:  # an engine that keeps sending garbage does not flood logs
                     warned += 1
