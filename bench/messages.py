@@ -1,0 +1,150 @@
+"""Per-message cost of Narwhal's ext_proc server path, in process, without sockets.
+
+    python -m bench.messages [--events N] [--reps R]
+
+An ``h2`` client opens one ext_proc stream on a ``GrpcConnection`` (Narwhal's HTTP/2 and
+gRPC layers, the ext_proc adapter, the driver and the exchange, as served), takes a
+streaming chat request to its response body, then feeds N response-body messages of one
+token event each, one per ``data_received`` (the worst case: no two messages share a
+read). It prints the median time per message over R runs. Kernel, event-loop and Envoy
+costs are not in it, which is the point: it isolates what Narwhal's own Python costs per
+token event, for profiling (``python -m cProfile -m bench.messages``) and before/after
+comparisons of the hot path. ``make bench`` measures the whole data path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import statistics
+import time
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from narwhal.config import parse
+from narwhal.core.router import Router
+from narwhal.server.driver import Runtime
+from narwhal.server.extproc import PROCESS_PATH, ExtProcCall
+from narwhal.server.grpc_server import GrpcConnection
+
+
+class Transport:
+    """What the connection writes, kept for the client."""
+
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.out.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+def _message(req: pb.ProcessingRequest) -> bytes:
+    body = req.SerializeToString()
+    return b"\x00" + len(body).to_bytes(4, "big") + body
+
+
+def _headers(values: dict[str, str]) -> pb.HttpHeaders:
+    return pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]))
+
+
+async def run(events: int) -> float:
+    router = Router(parse({
+        "engines": [{"name": "a", "url": "http://127.0.0.1:9"}],
+        "telemetry": {"profiling": False}}))
+    for e in router.engines:
+        e.healthy = e.checked = True
+        e.telemetry_at = router.clock()
+    router.started = True
+    conn = GrpcConnection({PROCESS_PATH: functools.partial(
+        ExtProcCall, Runtime(router, asyncio.get_running_loop()))})
+    transport = Transport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True,
+                                                                   header_encoding=None))
+    client.initiate_connection()
+    client.increment_flow_control_window(2**30)
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**30})
+
+    def exchange_bytes() -> None:
+        conn.data_received(client.data_to_send())
+        for data in transport.out:
+            for ev in client.receive_data(data):
+                if isinstance(ev, h2.events.DataReceived):
+                    client.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+        transport.out.clear()
+
+    exchange_bytes()
+    sid = client.get_next_available_stream_id()
+    client.send_headers(sid, [(":method", "POST"), (":scheme", "http"),
+                              (":path", PROCESS_PATH.decode()), (":authority", "narwhal"),
+                              ("content-type", "application/grpc"), ("te", "trailers")])
+    body = orjson.dumps({"model": "narwhal-sim", "stream": True, "max_tokens": 1_000_000,
+                         "messages": [{"role": "user", "content": "hi"}]})
+    for req in (
+            pb.ProcessingRequest(request_headers=_headers(
+                {":path": "/v1/chat/completions", ":method": "POST"})),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
+            pb.ProcessingRequest(response_headers=_headers(
+                {":status": "200", "content-type": "text/event-stream"}))):
+        client.send_data(sid, _message(req))
+    exchange_bytes()
+    event = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "narwhal-sim",
+             "choices": [{"index": 0, "delta": {"content": "tok"}, "logprobs": None,
+                          "finish_reason": None, "token_ids": [42]}]}
+    chunk = b"data: " + orjson.dumps(event) + b"\n\n"
+    message = _message(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk)))
+    reads = []
+    for _ in range(events):  # the client's own cost stays out of the timing
+        client.send_data(sid, message)
+        reads.append(client.data_to_send())
+    start = time.perf_counter()
+    for data in reads:
+        conn.data_received(data)
+    elapsed = time.perf_counter() - start
+    replies = sum(len(x) for x in transport.out)
+    if replies < events * len(chunk):
+        raise SystemExit(f"only {replies} reply bytes for {events} events: not relayed")
+    return elapsed / events
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", type=int, default=20_000)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    runs = [asyncio.run(run(args.events)) for _ in range(args.reps)]
+    print(f"ext_proc server path, in process: {statistics.median(runs) * 1e6:.2f} us per "
+          f"token-event message (median of {args.reps} x {args.events}; "
+          f"min {min(runs) * 1e6:.2f})")
+    print(f"reproduce: python -m bench.messages --events {args.events} --reps {args.reps}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
