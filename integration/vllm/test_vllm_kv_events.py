@@ -4,7 +4,10 @@ template; the prompt tokens it predicts cached must be the ones vLLM reports cac
 
 from __future__ import annotations
 
+import re
 import uuid
+
+import httpx
 
 from ..conftest import wait_for
 from .conftest import Pair
@@ -36,6 +39,12 @@ def test_predicted_cached_tokens_are_the_engines_own(kv_pair):
 
     st = wait_for(stored)  # the engine published the prompt's blocks
     assert st["prefix_source"] == "kv-events" and st["kv_events"]["errors"] == 0
+    metrics = httpx.get(f"{kv_pair.stack.admin_url}/metrics", timeout=5).text
+    name = st["name"]
+    assert f'narwhal_engine_kv_events_live{{engine="{name}"}} 1.0' in metrics
+    assert f'narwhal_engine_kv_event_errors_total{{engine="{name}"}} 0.0' in metrics
+    blocks = re.search(rf'narwhal_engine_kv_event_blocks{{engine="{name}"}} (\S+)', metrics)
+    assert blocks is not None and float(blocks.group(1)) >= 2
     block = st["kv_events"]["block_size"]
     for user in ("what is a dog", "what is a bird"):
         predicted, cached, prompt = _ask(kv_pair, system, user)

@@ -60,7 +60,21 @@ class RouterCollector(Collector):
         index_evictions = CounterMetricFamily("narwhal_engine_prefix_index_evictions",
                                               "Blocks evicted from the engine's prefix index",
                                               labels=["engine"])
+        kv_blocks = GaugeMetricFamily("narwhal_engine_kv_event_blocks", "Prefix-cache blocks "
+                                      "the engine reports holding (engines[].kv_events)",
+                                      labels=["engine"])
+        kv_live = GaugeMetricFamily("narwhal_engine_kv_events_live", "1 while the engine's KV "
+                                    "events flow and placement matches its reported blocks",
+                                    labels=["engine"])
+        kv_errors = CounterMetricFamily("narwhal_engine_kv_event_errors", "Unreadable KV event "
+                                        "batches and sequence gaps (each forgets the blocks)",
+                                        labels=["engine"])
+        now = self.router.clock()
         for eng in self.router.engines:
+            if eng.kv is not None:
+                kv_blocks.add_metric([eng.name], len(eng.kv.by_engine))
+                kv_live.add_metric([eng.name], 1 if eng.kv.live(now) else 0)
+                kv_errors.add_metric([eng.name], eng.kv.errors)
             failovers.add_metric([eng.name], eng.failovers)
             hit.add_metric([eng.name], eng.model.hit_rate)
             predicted_hit.add_metric([eng.name], eng.predicted_hit_rate)
@@ -75,10 +89,10 @@ class RouterCollector(Collector):
             drift.add_metric([eng.name], eng.model.drift)
             resets.add_metric([eng.name], eng.model.drift_resets)
         yield from (inflight, healthy, tokens, failures, profiled, profile_failures, drift, resets,
-                    failovers, hit, predicted_hit, index_blocks, index_evictions)
+                    failovers, hit, predicted_hit, index_blocks, index_evictions, kv_blocks,
+                    kv_live, kv_errors)
         lead = self.router.leadership
         if lead is not None:
-            now = self.router.clock()
             yield GaugeMetricFamily("narwhal_leader", "1 while this replica holds the Lease "
                                     "and may admit", value=1 if lead.leading(now) else 0)
             yield CounterMetricFamily("narwhal_leader_acquisitions", "Times this replica "
