@@ -115,12 +115,18 @@ def decode_batch(payload: bytes) -> list[KvEvent]:
     return [e for e in (_event(r) for r in raw[1]) if e is not None]
 
 
+def _link(parent: int, block: list[int]) -> int:
+    """A block's chain key: its parent's key and its own tokens. The chain of a prompt
+    starts at its block size (blocks of different sizes never match)."""
+    return hash((parent, tuple(block)))
+
+
 def chain(token_ids: list[int], block_size: int) -> list[int]:
     """Chained keys of the full blocks of ``token_ids`` (block i's covers blocks 0..i)."""
     out: list[int] = []
     h = block_size
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        h = hash((h, tuple(token_ids[start:start + block_size])))
+        h = _link(h, token_ids[start:start + block_size])
         out.append(h)
     return out
 
@@ -136,7 +142,7 @@ class KvBlocks:
         self.capacity = capacity
         self.stale_s = stale_s
         self.by_engine: dict[Any, int] = {}  # the engine's hash -> the block's chain key
-        self.held: OrderedDict[int, int] = OrderedDict()  # chain key -> engine blocks with it
+        self.held: dict[int, int] = {}  # chain key -> engine blocks with it
         self.block_size = 0  # learnt from the first stored block
         self.batches = 0
         self.errors = 0
@@ -193,7 +199,7 @@ class KvBlocks:
             block = ev.token_ids[i * size:(i + 1) * size]
             if len(block) < size:
                 return  # vLLM stores full blocks only
-            key = hash((key, tuple(block)))
+            key = _link(key, block)
             old = self.by_engine.get(h)
             if old == key:
                 continue
@@ -201,7 +207,6 @@ class KvBlocks:
                 self._release(old)
             self.by_engine[h] = key
             self.held[key] = self.held.get(key, 0) + 1
-            self.held.move_to_end(key)
             self.removed.pop(key, None)
         while len(self.by_engine) > self.capacity:
             self._drop(next(iter(self.by_engine)))

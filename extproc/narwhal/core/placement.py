@@ -38,16 +38,21 @@ class Candidate:
 def cached_fraction(e: EngineState, t: Ticket, now: float | None = None) -> float:
     """The share of the prompt the engine holds: as its KV events report (exact, while
     they flow and the prompt's token IDs are known), else as its prefix index has seen."""
-    approx = (min(1.0, e.prefix.match(t.blocks) * t.block_units / t.prompt_units)
-              if t.blocks and e.prefix.capacity else 0.0)
     kv = e.kv
     if kv is not None and t.prompt_ids and now is not None and kv.live(now):
         held, known = kv.match(t.prompt_ids)
         exact = held / len(t.prompt_ids)
         # Where the reported blocks cannot say (stored before Narwhal listened), what
         # Narwhal sent there may: the larger of the two.
-        return exact if known else max(exact, approx)
-    return approx
+        return exact if known else max(exact, _indexed(e, t))
+    return _indexed(e, t)
+
+
+def _indexed(e: EngineState, t: Ticket) -> float:
+    """The share of the prompt the engine's approximate prefix index has seen."""
+    if not t.blocks or not e.prefix.capacity:
+        return 0.0
+    return min(1.0, e.prefix.match(t.blocks) * t.block_units / t.prompt_units)
 
 
 def project(e: EngineState, t: Ticket, extra_work: float = 0.0,
