@@ -215,3 +215,21 @@ def test_where_reported_blocks_are_unknown_the_index_may_say_more_and_not_otherw
     router.pool.observe_kv_events(e, batch(stored([b"y"], None, [7, 7, 7, 7])), now[0], 0)
     # The engine restarted and every batch since was seen: not reported is not cached.
     assert e.kv.complete and project(e, t, now=now[0]).cached == 0.0
+
+
+def test_with_events_overdue_and_no_index_the_engines_hit_rate_is_the_estimate():
+    now = [100.0]
+    router = Router(parse({"scheduler": {"prefix_index_blocks": 0}, "engines": [
+        {"name": "a", "url": "http://127.0.0.1:1", "kv_events": "tcp://127.0.0.1:5557"}]}),
+        clock=lambda: now[0])
+    e = router.engines[0]
+    assert e.kv is not None
+    e.model.hit_rate = 0.5  # what the engine's own prefix-cache counters say
+    router.pool.observe_kv_events(e, batch(stored([b"a"], None, [1, 2, 3, 4])), now[0], 0)
+    t = Ticket(object(), 100, now[0], 1.0, now[0] + 60)
+    t.prompt_ids = list(range(100))
+    assert project(e, t, now=now[0]).work == pytest.approx(100.0)  # known: nothing cached
+    e.kv.dispatched(now[0])
+    now[0] += 6.0  # events overdue: neither the reported blocks nor an index can say
+    c = project(e, t, now=now[0])
+    assert c.cached == 0.0 and c.work == pytest.approx(50.0)

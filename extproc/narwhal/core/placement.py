@@ -35,23 +35,27 @@ class Candidate:
         return self.ttft_s * self.engine.calibration
 
 
-def cached_fraction(e: EngineState, t: Ticket, now: float | None = None) -> float:
+def cached_fraction(e: EngineState, t: Ticket, now: float | None = None) -> float | None:
     """The share of the prompt the engine holds: as its KV events report (exact, while
-    they flow and the prompt's token IDs are known), else as its prefix index has seen."""
+    they flow and the prompt's token IDs are known), else as its prefix index has seen;
+    None when neither can say (the engine's own hit rate is the estimate then)."""
     kv = e.kv
     if kv is not None and t.prompt_ids and now is not None and kv.live(now):
         held, known = kv.match(t.prompt_ids)
         exact = held / len(t.prompt_ids)
+        if known:
+            return exact
         # Where the reported blocks cannot say (stored before Narwhal listened), what
         # Narwhal sent there may: the larger of the two.
-        return exact if known else max(exact, _indexed(e, t))
+        return max(exact, _indexed(e, t) or 0.0)
     return _indexed(e, t)
 
 
-def _indexed(e: EngineState, t: Ticket) -> float:
-    """The share of the prompt the engine's approximate prefix index has seen."""
+def _indexed(e: EngineState, t: Ticket) -> float | None:
+    """The share of the prompt the engine's approximate prefix index has seen; None
+    with the index off or a prompt it cannot cut."""
     if not t.blocks or not e.prefix.capacity:
-        return 0.0
+        return None
     return min(1.0, e.prefix.match(t.blocks) * t.block_units / t.prompt_units)
 
 
@@ -61,11 +65,11 @@ def project(e: EngineState, t: Ticket, extra_work: float = 0.0,
     expected to compute: by its reported blocks or its prefix index, or (with neither,
     or a prompt it cannot cut) by the engine's own recent hit rate. Matched once here."""
     m = e.model
-    if (t.blocks and e.prefix.capacity) or (t.prompt_ids and e.kv is not None):
-        cached = cached_fraction(e, t, now)
-        work = t.tokens * (1.0 - cached)
-    else:
+    cached = cached_fraction(e, t, now)
+    if cached is None:
         cached, work = 0.0, m.uncached(t.tokens)
+    else:
+        work = t.tokens * (1.0 - cached)
     # The sequences sharing the engine's steps while this one waits: the decodes now, and
     # the requests ahead of it in prefill, which decode by the time its own prefill runs.
     return Candidate(e, m.ttft_s(e.prefill_work + work + extra_work, e.decode + e.prefill),
