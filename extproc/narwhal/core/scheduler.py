@@ -250,9 +250,8 @@ class Scheduler:
         if e is None or t.first_token_at is not None:
             return
         t.first_token_at = now
-        e.prefill -= 1
+        _end_prefill(e, t)
         e.decode += 1
-        e.prefill_work = max(0.0, e.prefill_work - t.work)
         self.learning.first_token(t, now)
 
     def release(self, t: Ticket, output_tokens: int | None = None,
@@ -267,8 +266,7 @@ class Scheduler:
         if e is None:
             return
         if t.first_token_at is None:
-            e.prefill -= 1
-            e.prefill_work = max(0.0, e.prefill_work - t.work)
+            _end_prefill(e, t)
         else:
             e.decode -= 1
         e.decode_backlog = max(0, e.decode_backlog - t.predicted_output)
@@ -290,11 +288,17 @@ def _book(e: EngineState, t: Ticket) -> None:
         e.prefix.insert(t.blocks)
 
 
+def _end_prefill(e: EngineState, t: Ticket) -> None:
+    """The request no longer prefills on ``e`` (first token, end, or moved): its slot and
+    its uncached prompt are no longer ahead of the next request."""
+    e.prefill -= 1
+    e.prefill_work = max(0.0, e.prefill_work - t.work)
+
+
 def _unbook(e: EngineState, t: Ticket) -> None:
     """Undo ``_book``: the request did not go to ``e`` after all (a fallback served)."""
-    e.prefill -= 1
+    _end_prefill(e, t)
     e.dispatched -= 1
-    e.prefill_work = max(0.0, e.prefill_work - t.work)
     e.decode_backlog = max(0, e.decode_backlog - t.predicted_output)
 
 

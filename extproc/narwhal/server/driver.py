@@ -121,15 +121,18 @@ class Driver:
     def step(self, call: Callable[..., list[Action]], *args: object) -> None:
         """Run one exchange method (one ext_proc message), send its actions, then the
         work it left: its timer, and requests it let the scheduler dispatch."""
+        self.send(self._run(call, *args))
+        self._sync_timer()
+        if self.runtime.router.dispatched:  # per message: no call when there is none
+            self.runtime.drain()
+
+    def _run(self, call: Callable[..., list[Action]], *args: object) -> list[Action]:
+        """An exchange method's actions; a bug in it ends this request alone (500)."""
         try:
-            actions = call(*args)
+            return call(*args)
         except Exception as exc:
             log.exception("exchange failed in %s", getattr(call, "__name__", call))
-            actions = self.ex.internal_error(exc)
-        self.send(actions)
-        self._sync_timer()
-        if self.runtime.router.dispatched:
-            self.runtime.drain()
+            return self.ex.internal_error(exc)
 
     def deliver(self, actions: list[Action]) -> None:
         """Actions outside this exchange's own messages (dispatch, expiry)."""
@@ -156,18 +159,11 @@ class Driver:
                     except Exception:  # reporting must never harm serving
                         log.exception("exchange record sink failed")
         self.runtime.sync_closes()
-        if self.runtime.router.dispatched:
-            self.runtime.drain()
+        self.runtime.drain()
 
     def _sync_timer(self) -> None:
         self.alarm.set(self.ex.wake_at)
 
     def _due(self) -> None:
-        try:
-            actions = self.ex.expire()
-        except Exception as exc:
-            log.exception("exchange failed at its timer")
-            actions = self.ex.internal_error(exc)
-        self.deliver(actions)
-        if self.runtime.router.dispatched:
-            self.runtime.drain()
+        self.deliver(self._run(self.ex.expire))
+        self.runtime.drain()
