@@ -50,6 +50,11 @@ def one(stack, i: int) -> str:
                               headers={"x-sim-fault": "abrupt-close"})
         except httpx.RemoteProtocolError:  # the client sees a cut stream
             return "abrupt"
+        # Or, when the engine drops the connection while its response headers are still
+        # with Narwhal (ext_proc holds them; about 1 in 500 on a loaded machine), Envoy
+        # answers before any byte reached the client: an engine failure, never a success.
+        if resp.status_code == 502 and resp.json()["error"]["code"].startswith("engine_failure_"):
+            return "abrupt"
         pytest.fail(f"abrupt close not seen by the client: {resp.status_code} {resp.text!r}")
     if kind == 2:
         with pytest.raises(openai.NotFoundError):
