@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -17,9 +18,24 @@ from narwhal.launch import SimSpec, Stack
 MODEL = "narwhal-sim"
 
 
+# NARWHAL_TEST_WORKERS=N runs every stack with serving.workers: N (test_workers.py runs
+# the admission, conservation and reliability suites so, unchanged).
+WORKERS = int(os.environ.get("NARWHAL_TEST_WORKERS", "1"))
+
+
+def _with_workers(config: dict) -> dict:
+    serving = dict(config.get("serving", {}))
+    if WORKERS <= 1 or serving.get("transport", "asyncio") != "asyncio":
+        return config
+    serving.setdefault("extproc_socket", unix_socket())
+    serving.setdefault("workers", WORKERS)
+    return {**config, "serving": serving}
+
+
 def _stack(sims: list[SimSpec], config: dict | None = None,
            engine_seed: dict | None = None) -> Iterator[Stack]:
-    stack = Stack(sims=sims, config=config or {}, model=MODEL, engine_seed=engine_seed or {})
+    stack = Stack(sims=sims, config=_with_workers(config or {}), model=MODEL,
+                  engine_seed=engine_seed or {})
     stack.start()
     try:
         yield stack

@@ -15,7 +15,7 @@ import pytest
 
 from narwhal.launch import SimSpec, Stack
 
-from .conftest import MODEL, _stack, client_for
+from .conftest import MODEL, _stack, _with_workers, client_for
 
 MSGS = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"
@@ -324,7 +324,8 @@ def test_zero_eligible_then_monitoring_degraded(pair):
 
 
 def test_standby_router_refuses_and_reports_it():
-    stack = Stack(sims=[SimSpec("s")], config={"router": {"role": "standby"}}, model=MODEL)
+    stack = Stack(sims=[SimSpec("s")], config=_with_workers({"router": {"role": "standby"}}),
+                  model=MODEL)
     stack.start()
     try:
         resp = post(stack, {"max_tokens": 1})
@@ -337,7 +338,7 @@ def test_standby_router_refuses_and_reports_it():
 
 def test_open_mode_never_refuses_predictively():
     stack = Stack(sims=[SimSpec("o", args=["--prefill-tps", "2000"])], model=MODEL,
-                  config={"admission": {"mode": "open", "ttft_target_ms": 100}})
+                  config=_with_workers({"admission": {"mode": "open", "ttft_target_ms": 100}}))
     stack.start()
     try:
         resp = client_for(stack).chat.completions.with_raw_response.create(

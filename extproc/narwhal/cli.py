@@ -57,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
 
     p_serve = sub.add_parser("serve", help="run the ext_proc service and admin HTTP")
     p_serve.add_argument("--config", required=True, help="YAML configuration file")
+    # One of serve's ext_proc workers (serving.workers): started by serve, not by hand.
+    p_worker = sub.add_parser("worker")
+    p_worker.add_argument("--config", required=True)
+    p_worker.add_argument("--index", type=int, required=True)
+    p_worker.add_argument("--fd", type=int, required=True)
 
     p_check = sub.add_parser("check-config", help="validate a configuration file and exit")
     p_check.add_argument("config")
@@ -116,7 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from .server.app import run
 
-            run(_config(args.config))
+            run(_config(args.config), args.config)
+        elif args.command == "worker":
+            from .server.workers import main as worker_main
+
+            worker_main(_config(args.config), args.index, args.fd)
         elif args.command == "check-config":
             cfg = load(args.config)
             print(f"ok: model {cfg.serving.model}, {len(cfg.engines)} engine(s)")

@@ -41,6 +41,9 @@ class Serving:
     max_connections: int = 1024
     max_message_bytes: int = 4_194_304
     preface_timeout_ms: int = 10_000
+    # ext_proc worker processes around this one (server/workers.py); 1: this process
+    # alone. Worker i serves on the Unix socket <extproc_socket>.<i>.
+    workers: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +219,7 @@ CHOICES = {
 POSITIVE = {
     "serving.max_request_bytes", "serving.max_event_bytes", "serving.max_response_bytes",
     "serving.max_connections", "serving.max_message_bytes", "serving.preface_timeout_ms",
-    "serving.engine_stall_timeout_ms",
+    "serving.engine_stall_timeout_ms", "serving.workers",
     "admission.ttft_target_ms", "admission.retention_limit", "admission.max_wait_ms",
     "admission.request_timeout_ms", "admission.max_ttft_target_ms",
     "scheduler.max_prefill_per_engine",
@@ -235,6 +238,7 @@ OPTIONAL_STRINGS: dict[str, tuple[Callable[[str], bool], str]] = {
                                "an absolute path under 108 bytes (a Unix socket's limit)"),
     "sizing.tokenizer": (lambda v: Path(v).is_file(), "an existing tokenizer file"),
 }
+MAX_WORKERS = 64
 PORTS = {"serving.extproc_port", "telemetry.admin_port", "engines.port"}
 
 
@@ -365,6 +369,19 @@ def parse(data: Any) -> Config:
     if le.enabled and kwargs["router"].role != "active":
         raise ConfigError("router.role: the lease decides the role when "
                           "router.leader_election.enabled; leave role unset")
+    serving = kwargs["serving"]
+    if serving.workers > 1:
+        if serving.workers > MAX_WORKERS:
+            raise ConfigError(f"serving.workers: at most {MAX_WORKERS}, got {serving.workers}")
+        if serving.transport != "asyncio":
+            raise ConfigError("serving.workers: worker processes need serving.transport: "
+                              "asyncio")
+        if not serving.extproc_socket:
+            raise ConfigError("serving.workers: worker processes serve on Unix sockets "
+                              "named after serving.extproc_socket; set it")
+        if len(f"{serving.extproc_socket}.{serving.workers - 1}".encode()) >= 108:
+            raise ConfigError("serving.extproc_socket: too long for the workers' sockets "
+                              "(<path>.<i> must stay under 108 bytes)")
     sched = kwargs["scheduler"]
     from .core.placement import check_profile  # the registry lives with the plugins
 

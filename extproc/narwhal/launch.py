@@ -98,17 +98,22 @@ def _is_ip(host: str) -> bool:
 
 def render_envoy(port: int, admin_port: int, extproc_port: int,
                  source: Path = ENVOY_CONFIG, *, engines: list[str] | None = None,
-                 dns: tuple[str, int] | None = None, extproc_socket: str = ""
-                 ) -> dict[str, Any]:
+                 dns: tuple[str, int] | None = None, extproc_socket: str = "",
+                 workers: int = 1) -> dict[str, Any]:
     """The shipped Envoy config with its three ports replaced and, when given, its
     engines cluster holding ``engines`` (``ip:port``) or the ``dns`` name, and Narwhal
-    reached over the Unix socket ``extproc_socket``."""
+    reached over the Unix socket ``extproc_socket`` (with ``workers`` > 1: the workers'
+    sockets, ``<extproc_socket>.<i>``)."""
     cfg = yaml.safe_load(source.read_text())
     _set_ports(cfg, port, admin_port)
     for cluster in cfg["static_resources"]["clusters"]:
         if cluster["name"] == "narwhal":
-            ep = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-            if extproc_socket:
+            lb = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+            ep = lb[0]["endpoint"]
+            if workers > 1:
+                lb[:] = [{"endpoint": {"address": {"pipe": {"path": f"{extproc_socket}.{i}"}}}}
+                         for i in range(workers)]
+            elif extproc_socket:
                 ep["address"] = {"pipe": {"path": extproc_socket}}
             else:
                 ep["address"]["socket_address"]["port_value"] = extproc_port
@@ -283,7 +288,8 @@ class Stack(StackURLs):
             endpoints = self.envoy_engines or endpoints
             envoy_cfg = render_envoy(
                 self.port, self.envoy_admin_port, self.extproc_port, engines=endpoints, dns=dns,
-                extproc_socket=self.config.get("serving", {}).get("extproc_socket", ""))
+                extproc_socket=self.config.get("serving", {}).get("extproc_socket", ""),
+                workers=self.config.get("serving", {}).get("workers", 1))
             if self.envoy_patch is not None:
                 self.envoy_patch(envoy_cfg)
             envoy_path.write_text(yaml.safe_dump(envoy_cfg))

@@ -17,6 +17,7 @@ import orjson
 
 from . import errors
 from .assembly import Assembler
+from .control import Outcome
 from .engines import EngineState
 from .errors import HttpError
 from .meter import EngineErrorEvent, EngineOutputError, Meter
@@ -100,7 +101,8 @@ class Exchange:
                  "request_ended", "request_bytes", "response_bytes", "held", "arrival",
                  "deadline", "budget_s", "tpot_budget_s", "ticket", "wake_at", "client_headers_sent",
                  "last_token_at", "strip", "engine_seen", "request_id", "candidates",
-                 "decided_at", "ended_at", "error_code", "trace_headers", "recorded")
+                 "decided_at", "ended_at", "error_code", "trace_headers", "recorded",
+                 "token_id_fault")
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -139,6 +141,7 @@ class Exchange:
         self.error_code: str | None = None
         self.trace_headers: tuple[tuple[str, str], ...] = ()
         self.recorded = False
+        self.token_id_fault = False  # failed on an event without valid token IDs
 
     # -- request ---------------------------------------------------------------
     def request_headers(self, headers: dict[str, str], end_of_stream: bool,
@@ -287,13 +290,7 @@ class Exchange:
         assert req is not None and ticket is not None and ticket.engine is not None
         engine = self.engine = ticket.engine
         token_ids = engine.token_ids and req.ids_compatible
-        self.meter = Meter(req.chat, token_ids)
-        self.parser = SSEParser(self.router.config.serving.max_event_bytes)
-        if req.stream:
-            # Hide only the IDs Narwhal asked for; what the client asked for, it gets.
-            self.relay = Relay(req.return_token_ids or not token_ids, req.include_usage)
-        else:
-            self.assembler = Assembler(req.chat, req.return_token_ids)
+        self.expect_response(token_ids)
         body = upstream_body(req, token_ids)
         self.phase = Phase.UPSTREAM
         # The chosen engine first, then its ranked fallbacks (the endpoint-picker protocol).
@@ -305,6 +302,31 @@ class Exchange:
                     remove=["accept-encoding", "transfer-encoding", *self.strip]),
             *_bodies(False, body),
         ]
+
+    def expect_response(self, token_ids: bool) -> None:
+        """What reads the engine's answer: ``token_ids`` when the upstream body asks for
+        them (the worker that takes over a dispatched exchange builds the same)."""
+        req = self.request
+        assert req is not None
+        self.meter = Meter(req.chat, token_ids)
+        self.parser = SSEParser(self.router.config.serving.max_event_bytes)
+        if req.stream:
+            # Hide only the IDs Narwhal asked for; what the client asked for, it gets.
+            self.relay = Relay(req.return_token_ids or not token_ids, req.include_usage)
+        else:
+            self.assembler = Assembler(req.chat, req.return_token_ids)
+
+    def handed_off(self) -> None:
+        """A worker process drives the response from now on (``serving.workers``): its
+        timers and its record are the worker's; what it reports comes back as
+        ``ended_elsewhere`` and ``Control`` calls."""
+        self.wake_at = None
+        self.recorded = True
+
+    def ended_elsewhere(self, terminal: str, out: Outcome) -> None:
+        """The worker that drove the response ended it: release here what it held."""
+        if self.terminal is None:
+            self._ended(terminal, out)
 
     def request_trailers(self) -> list[Action]:
         """Trailers end a request body that never said end_of_stream: size and admit it
@@ -324,9 +346,7 @@ class Exchange:
         status = headers.get(":status", "0")
         self.status = _decimal(status, 999)
         if served and self.ticket is not None:
-            moved = self.router.scheduler.served_by(self.ticket, served)
-            if moved is not None:
-                self.engine = moved
+            self.router.control.served_by(self, served)
         if not self.completion:
             return [Headers(True)]
         if self.phase is not Phase.UPSTREAM:
@@ -477,8 +497,7 @@ class Exchange:
         now = self.router.clock()
         t = self.ticket
         if t is not None and t.first_token_at is None:
-            self.router.scheduler.first_token(t, now)
-            self.router.pump()
+            self.router.control.first_token(self, now)
         self.last_token_at = now
 
     def _computed_usage(self) -> dict[str, int]:
@@ -490,8 +509,8 @@ class Exchange:
         return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
 
     def _engine_fault(self, exc: Exception) -> list[Action]:
-        if isinstance(exc, TokenIdError) and self.engine is not None:
-            self.engine.measurement_failures += 1
+        if isinstance(exc, TokenIdError):
+            self.token_id_fault = True
         return self._end_failed(errors.engine_failure(str(exc)))
 
     def _end_failed(self, err: HttpError, out: list[bytes] | None = None) -> list[Action]:
@@ -544,32 +563,25 @@ class Exchange:
     def _count(self, terminal: str) -> None:
         """The request's one terminal class (possibly some time after its release)."""
         self.terminal = terminal
-        acct = self.router.accounting
-        acct.end(terminal)
-        if not self.sized:
-            acct.unsized_offered += 1
+        self.router.control.count(self, terminal)
 
     def _release(self, terminal: str) -> None:
         """Give back everything the request holds: retention, timers, its engine slot."""
+        self.wake_at = None
+        meter = self.meter
+        out = Outcome(last_token_at=self.last_token_at, token_id_fault=self.token_id_fault)
+        if meter is not None:
+            usage = meter.usage
+            prompt = usage.get("prompt_tokens") if usage is not None else None
+            out = Outcome(meter.output_tokens, prompt if type(prompt) is int else None,
+                          self.last_token_at, self.token_id_fault)
+        self._ended(terminal, out)
+
+    def _ended(self, terminal: str, out: Outcome) -> None:
         self.terminal = terminal
         self.phase = Phase.DONE
-        router = self.router
-        self.ended_at = router.clock()
-        if self.held:
-            router.held -= 1
-        self.wake_at = None
-        identified: int | None = None
-        if self.engine is not None and self.meter is not None:
-            self.engine.output_tokens += self.meter.output_tokens
-            if terminal == errors.COMPLETED:
-                identified = self.meter.output_tokens
-                self.engine.completed += 1
-                usage = self.meter.usage
-                if usage is not None and self.request is not None:
-                    router.sizer.learn(self.request.prompt_bytes, usage.get("prompt_tokens"))
-        if self.ticket is not None:
-            router.scheduler.release(self.ticket, identified, self.last_token_at)
-            router.pump()
+        self.ended_at = self.router.clock()
+        self.router.control.release(self, terminal, out)
 
     def _settle_passthrough(self) -> None:
         self.phase = Phase.DONE
@@ -631,7 +643,7 @@ class Exchange:
         elif self.terminal is None:
             if self.phase in (Phase.UPSTREAM, Phase.RESPONSE_BODY):
                 self._release(errors.CANCELLED)
-                self.router.closes.closed(self.request_id, self._count, self.router.clock())
+                self.router.control.closed(self, self.router.clock())
             else:
                 self._finish(errors.CANCELLED)
 

@@ -18,6 +18,7 @@ from ..config import Config
 from .accounting import Accounting
 from .chat_prompt import PromptIds
 from .closes import CloseVerdicts
+from .control import Control
 from .engines import EngineState
 from .leadership import Leadership
 from .learning import Learning
@@ -57,6 +58,9 @@ class Router:
         # Queued requests the scheduler placed, for the adapters to send upstream.
         self.dispatched: list[Ticket] = []
         self.closes = CloseVerdicts(config.telemetry.close_verdict_ms / 1000)
+        # What exchanges do to this state after dispatch (a worker process swaps in one
+        # that sends it to the scheduler process).
+        self.control: Control = Control(self)
         le = config.router.leader_election
         # None: the role comes from config alone. Else the Lease decides, per request.
         self.leadership: Leadership | None = (

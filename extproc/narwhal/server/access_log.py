@@ -10,11 +10,11 @@ costs nothing on requests that end normally. An entry whose flags name the engin
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from envoy.service.accesslog.v3 import als_pb2
 
 from ..core import errors
-from ..core.router import Router
 from .grpc_server import INVALID_ARGUMENT, Stream
 
 log = logging.getLogger("narwhal.access_log")
@@ -31,12 +31,14 @@ def verdict(flags: object) -> str:
 
 
 class AccessLogCall:
-    """One StreamAccessLogs stream: entries in, nothing out until Envoy closes it."""
+    """One StreamAccessLogs stream: entries in, nothing out until Envoy closes it.
+    ``logged(request_id, verdict)``: the router's ``closes.logged``, or a worker's
+    forwarding to the scheduler process."""
 
-    __slots__ = ("router", "stream")
+    __slots__ = ("logged", "stream")
 
-    def __init__(self, router: Router, stream: Stream) -> None:
-        self.router = router
+    def __init__(self, logged: Callable[[str, str], None], stream: Stream) -> None:
+        self.logged = logged
         self.stream = stream
 
     def on_message(self, data: bytes) -> None:
@@ -48,8 +50,7 @@ class AccessLogCall:
         for entry in msg.http_logs.log_entry:
             request_id = entry.request.request_id
             if request_id:
-                self.router.closes.logged(request_id,
-                                          verdict(entry.common_properties.response_flags))
+                self.logged(request_id, verdict(entry.common_properties.response_flags))
 
     def on_half_close(self) -> None:
         self.stream.finish()

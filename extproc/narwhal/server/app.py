@@ -9,13 +9,14 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, Serving
 from ..core.router import Router
 from .access_log import ACCESS_LOG_PATH, AccessLogCall
 from .admin import admin_app, admin_token
@@ -23,9 +24,12 @@ from .discovery import discover_once, discovery_loop
 from .driver import RECORDS, Runtime
 from .extproc import PROCESS_PATH, SERVICE_NAME, ExternalProcessor, ExtProcCall
 from .grpc_health import CHECK_PATH, WATCH_PATH, HealthRegistry
-from .grpc_server import GrpcConnection
+from .grpc_server import Call, GrpcConnection, Stream
 from .loop import install_uvloop
 from .telemetry import telemetry_loop
+
+if TYPE_CHECKING:
+    from .tracing import Tracer
 
 log = logging.getLogger("narwhal")
 READINESS_SERVICES = ("", "readiness", SERVICE_NAME)
@@ -54,16 +58,11 @@ def _unlink_stale(path: str) -> None:
         raise ConfigError(f"serving.extproc_socket: {path} exists and is not a socket")
 
 
-async def _start_asyncio(config: Config, runtime: Runtime) -> Callable[[], Awaitable[None]]:
-    router = runtime.router
-    registry = HealthRegistry(functools.partial(health_status, router))
-    router.listeners.append(registry.refresh)
-    routes = {PROCESS_PATH: functools.partial(ExtProcCall, runtime),
-              CHECK_PATH: registry.check_call, WATCH_PATH: registry.watch_call,
-              ACCESS_LOG_PATH: functools.partial(AccessLogCall, router)}
+async def listen_grpc(serving: Serving, routes: dict[bytes, Callable[[Stream], Call]],
+                      port: int | None, socket_path: str) -> Callable[[], Awaitable[None]]:
+    """Serve gRPC ``routes`` on ``serving.host:port`` (None: no TCP) and the Unix socket
+    ``socket_path`` ("" none), within ``serving``'s connection bounds; returns stop."""
     connections: set[GrpcConnection] = set()
-
-    serving = config.serving
 
     def factory() -> GrpcConnection:
         full = len(connections) >= serving.max_connections
@@ -78,10 +77,12 @@ async def _start_asyncio(config: Config, runtime: Runtime) -> Callable[[], Await
         return conn
 
     loop = asyncio.get_running_loop()
-    servers = [await loop.create_server(factory, config.serving.host, config.serving.extproc_port)]
-    if serving.extproc_socket:
-        _unlink_stale(serving.extproc_socket)
-        servers.append(await loop.create_unix_server(factory, serving.extproc_socket))
+    servers = []
+    if port is not None:
+        servers.append(await loop.create_server(factory, serving.host, port))
+    if socket_path:
+        _unlink_stale(socket_path)
+        servers.append(await loop.create_unix_server(factory, socket_path))
 
     async def stop() -> None:
         for server in servers:
@@ -93,6 +94,18 @@ async def _start_asyncio(config: Config, runtime: Runtime) -> Callable[[], Await
             await server.wait_closed()
 
     return stop
+
+
+async def _start_asyncio(config: Config, runtime: Runtime) -> Callable[[], Awaitable[None]]:
+    router = runtime.router
+    registry = HealthRegistry(functools.partial(health_status, router))
+    router.listeners.append(registry.refresh)
+    routes: dict[bytes, Callable[[Stream], Call]] = {
+        PROCESS_PATH: functools.partial(ExtProcCall, runtime),
+        CHECK_PATH: registry.check_call, WATCH_PATH: registry.watch_call,
+        ACCESS_LOG_PATH: functools.partial(AccessLogCall, router.closes.logged)}
+    return await listen_grpc(config.serving, routes, config.serving.extproc_port,
+                             config.serving.extproc_socket)
 
 
 async def _start_grpcio(config: Config, runtime: Runtime) -> Callable[[], Awaitable[None]]:
@@ -117,12 +130,44 @@ async def _start_grpcio(config: Config, runtime: Runtime) -> Callable[[], Awaita
     return functools.partial(server.stop, grace=1.0)
 
 
-async def serve(config: Config) -> None:
+def start_tracer(config: Config) -> Tracer | None:
+    """With tracing on, a span per finished exchange (in whichever process drove it)."""
+    if not config.telemetry.tracing.enabled:
+        return None
+    try:
+        from .tracing import Tracer  # the OpenTelemetry SDK only where tracing is on
+    except ImportError as exc:
+        raise ConfigError(
+            f"telemetry.tracing: the OTLP exporter cannot load ({exc}); if xds-protos "
+            "overwrote opentelemetry-proto's files, run scripts/restore_otel_protos.py "
+            "or: pip install --force-reinstall --no-deps opentelemetry-proto") from exc
+    tracer = Tracer(config.telemetry.tracing)
+    RECORDS.append(tracer)
+    return tracer
+
+
+def stop_tracer(tracer: Tracer | None) -> None:
+    if tracer is not None:  # flushes what is batched
+        RECORDS.remove(tracer)
+        tracer.shutdown()
+
+
+async def serve(config: Config, config_path: str | None = None) -> None:
+    """``config_path``: where ``config`` was read, for worker processes to read it too."""
     token = admin_token(config.telemetry)  # a missing file or variable fails start-up
     router = Router(config)
     runtime = Runtime(router, asyncio.get_running_loop())
     start = _start_asyncio if config.serving.transport == "asyncio" else _start_grpcio
     stop_grpc = await start(config, runtime)
+    workers = None
+    if config.serving.workers > 1:
+        if config_path is None:
+            raise ConfigError("serving.workers: worker processes read the configuration "
+                              "file; start with narwhal serve --config")
+        from .workers import Workers
+
+        workers = Workers(runtime, config_path)
+        await workers.start()  # every worker listening before /ready can say yes
     runner = web.AppRunner(admin_app(router, token), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.telemetry.admin_host, config.telemetry.admin_port)
@@ -141,17 +186,7 @@ async def serve(config: Config) -> None:
         from .kv_events import kv_events_loop  # pyzmq only where engines publish events
 
         tasks += [asyncio.ensure_future(kv_events_loop(router, e)) for e in kv_engines]
-    tracer = None
-    if config.telemetry.tracing.enabled:
-        try:
-            from .tracing import Tracer  # the OpenTelemetry SDK only where tracing is on
-        except ImportError as exc:
-            raise ConfigError(
-                f"telemetry.tracing: the OTLP exporter cannot load ({exc}); if xds-protos "
-                "overwrote opentelemetry-proto's files, run scripts/restore_otel_protos.py "
-                "or: pip install --force-reinstall --no-deps opentelemetry-proto") from exc
-        tracer = Tracer(config.telemetry.tracing)
-        RECORDS.append(tracer)
+    tracer = start_tracer(config)
     lease = None
     if router.leadership is not None:
         from .leader import LeaseLoop  # lightkube only where leader election is on
@@ -180,13 +215,13 @@ async def serve(config: Config) -> None:
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await t
+    if workers is not None:
+        await workers.stop()
     await stop_grpc()
     await runner.cleanup()
-    if tracer is not None:  # flushes what is batched
-        RECORDS.remove(tracer)
-        tracer.shutdown()
+    stop_tracer(tracer)
 
 
-def run(config: Config) -> None:
+def run(config: Config, config_path: str | None = None) -> None:
     install_uvloop()
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, config_path))

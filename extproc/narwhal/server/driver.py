@@ -110,9 +110,11 @@ class Driver:
     __slots__ = ("runtime", "ex", "send", "flush", "alarm")
 
     def __init__(self, runtime: Runtime, send: Send,
-                 flush: Callable[[], None] | None = None) -> None:
+                 flush: Callable[[], None] | None = None, ex: Exchange | None = None) -> None:
+        """``ex``: an exchange taken over from another process (``core/handoff.py``);
+        otherwise a new one."""
         self.runtime = runtime
-        self.ex = Exchange(runtime.router)
+        self.ex = Exchange(runtime.router) if ex is None else ex
         self.send = send
         self.flush = flush
         self.alarm = Alarm(runtime.timers, runtime.router.clock, self._due)

@@ -256,6 +256,17 @@ def _dispatch(ex: Exchange, msg: pb.ProcessingRequest) -> list[Action]:
     return []
 
 
+def send_actions(stream: Stream, actions: list[Action]) -> bool:
+    """Write an exchange's replies in order. True: an immediate response ended the
+    exchange (nothing after it is sent; the caller closes the exchange and the call)."""
+    send = stream.send
+    for action in actions:
+        send(encode(action))
+        if action.__class__ is Immediate:
+            return True
+    return False
+
+
 class ExtProcCall:
     """One ext_proc stream on the asyncio transport."""
 
@@ -275,13 +286,9 @@ class ExtProcCall:
         self.driver.step(_dispatch, self.driver.ex, msg)
 
     def _send(self, actions: list[Action]) -> None:
-        send = self.stream.send
-        for action in actions:
-            send(encode(action))
-            if action.__class__ is Immediate:
-                self.driver.closed()
-                self.stream.finish()
-                return
+        if send_actions(self.stream, actions):
+            self.driver.closed()
+            self.stream.finish()
 
     def on_half_close(self) -> None:
         self.driver.closed()

@@ -1,0 +1,520 @@
+"""``serving.workers: N``: ext_proc worker processes around one scheduler process.
+
+Why this shape. A request costs Narwhal a few admission and placement decisions and
+then one ext_proc message per engine write (every token of a stream). The decisions
+need one shared state (the queue, slots, retention, the learned models); the token
+messages need only the exchange they belong to. So the process that owns the router
+(the *scheduler*, ``narwhal serve`` itself) keeps every decision, and N *workers* hold
+Envoy's ext_proc streams:
+
+* until a request is sent upstream, its worker forwards the stream's messages as they
+  are (no decoding) to the scheduler, which runs the exchange exactly as a single
+  process does (admission, the queue, refusals) and sends the replies back;
+* the scheduler then hands the exchange over (``core/handoff.py``) in the same frame
+  batch as the reply that sends it upstream, and the worker drives the response phase
+  locally; what it does to shared state (served-by, first token, release, the terminal
+  count, a close awaiting Envoy's verdict) goes back as ``Control`` calls, which the
+  scheduler applies with the same code a single process runs.
+
+So the protocol is per request, not per token: a handful of frames each way. Frames are
+msgpack lists behind a 4-byte length on a socketpair per worker, written once per
+event-loop turn. A stream that ends before the handoff reaches the worker is closed on
+the scheduler's side as it would be in one process; a worker that dies takes its
+streams with it (each is closed on the scheduler's side: nothing stays held) and is
+started again.
+
+Limits: the asyncio transport only; worker ``i`` serves ext_proc (and Envoy's access log
+and gRPC health) on the Unix socket ``<serving.extproc_socket>.<i>``, which Envoy's
+``narwhal`` cluster lists; the scheduler keeps serving on its own port and socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from grpc_health.v1 import health_pb2
+
+from ..config import Config, EngineConfig
+from ..core.control import Control, Outcome
+from ..core.engines import EngineState
+from ..core.exchange import Action, Exchange, Phase
+from ..core.handoff import resume, snapshot
+from ..core.router import Router
+from .access_log import ACCESS_LOG_PATH, AccessLogCall
+from .driver import Driver, Runtime
+from .extproc import PROCESS_PATH, ExtProcCall, _dispatch, send_actions
+from .grpc_health import CHECK_PATH, WATCH_PATH, HealthRegistry
+from .grpc_server import INVALID_ARGUMENT, OK, Stream
+
+log = logging.getLogger("narwhal.workers")
+
+# Worker -> scheduler frames: [kind, stream id, ...].
+W_HELLO, W_MSG, W_CLOSE, W_SERVED, W_FIRST, W_RELEASE, W_COUNT, W_CLOSED, W_VERDICT = range(9)
+# Scheduler -> worker frames.
+S_SEND, S_FINISH, S_HANDOFF, S_READY = range(4)
+MAX_FRAME = 64 * 1024 * 1024  # an ext_proc message is at most serving.max_message_bytes
+HELLO_TIMEOUT_S = 60.0
+RESTART_DELAY_S = 1.0
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
+
+
+def worker_socket(config: Config, index: int) -> str:
+    return f"{config.serving.extproc_socket}.{index}"
+
+
+class Link(asyncio.Protocol):
+    """Length-prefixed msgpack frames on a local stream socket; sends are gathered and
+    written once per event-loop turn."""
+
+    def __init__(self, on_frame: Callable[[list[Any]], None],
+                 on_lost: Callable[[], None]) -> None:
+        self.on_frame = on_frame
+        self.on_lost = on_lost
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.out: list[bytes] = []
+        self.scheduled = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        pos = 0
+        while len(buf) - pos >= 4:
+            n = int.from_bytes(buf[pos:pos + 4], "big")
+            if n > MAX_FRAME:
+                log.error("worker link: a %d-byte frame; closing the link", n)
+                assert self.transport is not None
+                self.transport.close()
+                return
+            if len(buf) - pos - 4 < n:
+                break
+            frame = _decode(bytes(buf[pos + 4:pos + 4 + n]))
+            pos += 4 + n
+            try:
+                self.on_frame(frame)
+            except Exception:  # one bad frame must not take the link down
+                log.exception("worker link: frame %r failed", frame[:2])
+        del buf[:pos]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.on_lost()
+
+    def send(self, frame: tuple[Any, ...]) -> None:
+        data = _encode(frame)
+        self.out += (len(data).to_bytes(4, "big"), data)
+        if not self.scheduled:
+            self.scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self.scheduled = False
+        out, self.out = self.out, []
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(out))
+
+
+# -- the scheduler's side ----------------------------------------------------------------
+
+class RemoteStream:
+    """The ``Stream`` a scheduler-side call writes to: the worker holds the real one."""
+
+    __slots__ = ("port", "sid", "conn")
+
+    def __init__(self, port: WorkerPort, sid: int) -> None:
+        self.port = port
+        self.sid = sid
+        self.conn = self  # write_soon: the link writes once per loop turn anyway
+
+    def send(self, message: bytes) -> None:
+        self.port.link.send((S_SEND, self.sid, message))
+
+    def finish(self, status: int = OK, message: str = "") -> None:
+        self.port.finished(self.sid, status, message)
+
+    def write_soon(self) -> None:
+        pass
+
+
+class RemoteCall(ExtProcCall):
+    """A stream a worker holds, run here until its exchange is sent upstream."""
+
+    __slots__ = ("handed",)
+
+    def __init__(self, runtime: Runtime, stream: RemoteStream) -> None:
+        super().__init__(runtime, stream)  # type: ignore[arg-type]
+        self.handed = False
+
+    def _send(self, actions: list[Action]) -> None:
+        ex = self.driver.ex
+        if not self.handed and ex.phase is Phase.UPSTREAM and ex.terminal is None:
+            # Before the reply that sends it upstream: the response can only come after.
+            self.handed = True
+            ex.handed_off()
+            stream = self.stream
+            assert isinstance(stream, RemoteStream)
+            stream.port.link.send((S_HANDOFF, stream.sid, snapshot(ex)))
+            if not ex.completion:  # a pass-through holds nothing here: done with it
+                stream.port.calls.pop(stream.sid, None)
+                super()._send(actions)
+                self.driver.closed()
+                return
+        super()._send(actions)
+
+
+class WorkerPort:
+    """The scheduler's end of one worker's link."""
+
+    def __init__(self, runtime: Runtime, index: int) -> None:
+        self.runtime = runtime
+        self.index = index
+        self.calls: dict[int, RemoteCall] = {}
+        self.link = Link(self.on_frame, self.lost)
+        self.hello = asyncio.get_running_loop().create_future()
+        self.ready: str | None = "starting"
+
+    def on_frame(self, f: list[Any]) -> None:
+        kind = f[0]
+        if kind == W_MSG:
+            call = self.calls.get(f[1])
+            if call is None:
+                call = self.calls[f[1]] = RemoteCall(self.runtime, RemoteStream(self, f[1]))
+            call.on_message(f[2])
+            return
+        if kind == W_VERDICT:
+            self.runtime.router.closes.logged(f[1], f[2])
+            return
+        if kind == W_HELLO:
+            if not self.hello.done():
+                self.hello.set_result(None)
+            return
+        if kind == W_CLOSE:  # its stream ended before the worker took the exchange over
+            call = self.calls.pop(f[1], None)
+            if call is not None:
+                call.on_cancel()
+            return
+        call = self.calls.get(f[1])
+        if call is None:
+            return
+        ex, control = call.driver.ex, self.runtime.router.control
+        if kind == W_SERVED:
+            control.served_by(ex, f[2])
+        elif kind == W_FIRST:
+            control.first_token(ex, f[2])
+        elif kind == W_RELEASE:
+            ex.ended_elsewhere(f[2], Outcome(f[3], f[4], f[5], f[6]))
+        elif kind in (W_COUNT, W_CLOSED):  # the worker is done with it
+            if kind == W_COUNT:
+                control.count(ex, f[2])
+            else:
+                control.closed(ex, f[2])
+            del self.calls[f[1]]
+            call.on_cancel()  # nothing to close any more; its driver leaves the runtime
+        self.runtime.drain()
+
+    def finished(self, sid: int, status: int, message: str) -> None:
+        if self.calls.pop(sid, None) is not None:
+            self.link.send((S_FINISH, sid, status, message))
+
+    def push_ready(self, reason: str | None) -> None:
+        if reason != self.ready:
+            self.ready = reason
+            self.link.send((S_READY, reason))
+
+    def lost(self) -> None:
+        """The worker is gone, and Envoy's streams with it: close them here."""
+        calls, self.calls = self.calls, {}
+        for call in calls.values():
+            call.on_cancel()
+        self.runtime.drain()
+
+
+class Workers:
+    """Starts the worker processes, keeps them running, stops them."""
+
+    def __init__(self, runtime: Runtime, config_path: str) -> None:
+        self.runtime = runtime
+        self.config_path = config_path
+        self.n = runtime.router.config.serving.workers
+        self.ports: list[WorkerPort | None] = [None] * self.n
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * self.n
+        self.stopping = False
+        runtime.router.listeners.append(self._push_ready)
+
+    async def start(self) -> None:
+        for i in range(self.n):
+            await self._spawn(i)
+        for port in self.ports:
+            assert port is not None
+            await asyncio.wait_for(asyncio.shield(port.hello), HELLO_TIMEOUT_S)
+        self._push_ready()
+
+    async def _spawn(self, i: int) -> None:
+        ours, theirs = socket.socketpair()
+        argv = [sys.executable, "-m", "narwhal",
+                "--log-level", logging.getLevelName(logging.getLogger().level),
+                "worker", "--config", self.config_path, "--index", str(i),
+                "--fd", str(theirs.fileno())]
+        self.procs[i] = subprocess.Popen(argv, pass_fds=[theirs.fileno()])
+        theirs.close()
+        port = WorkerPort(self.runtime, i)
+        port.link.on_lost = functools.partial(self._lost, port)
+        self.ports[i] = port
+        await asyncio.get_running_loop().connect_accepted_socket(lambda: port.link, ours)
+
+    def _lost(self, port: WorkerPort) -> None:
+        WorkerPort.lost(port)
+        if self.stopping:
+            return
+        log.error("worker %d exited; starting it again", port.index)
+        proc = self.procs[port.index]
+        if proc is not None:
+            with contextlib.suppress(Exception):
+                proc.kill()
+                proc.wait(5)
+        loop = asyncio.get_running_loop()
+        loop.call_later(RESTART_DELAY_S,
+                        lambda: asyncio.ensure_future(self._spawn(port.index)))
+
+    def _push_ready(self) -> None:
+        reason = self.runtime.router.not_ready_reason()
+        for port in self.ports:
+            if port is not None:
+                port.push_ready(reason)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        for port in self.ports:
+            if port is not None and port.link.transport is not None:
+                port.link.transport.close()
+        loop = asyncio.get_running_loop()
+        for proc in self.procs:
+            if proc is None:
+                continue
+            try:
+                await loop.run_in_executor(None, proc.wait, 10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+# -- the worker's side -------------------------------------------------------------------
+
+class RemoteControl(Control):
+    """A worker's ``Control``: the shared state lives in the scheduler process; each call
+    goes there (and keeps this copy of the exchange consistent with what it reported)."""
+
+    __slots__ = ("link", "sids", "engine_for")
+
+    def __init__(self, router: Router, link: Link,
+                 engine_for: Callable[[str, str], EngineState]) -> None:
+        super().__init__(router)
+        self.link = link
+        self.sids: dict[Exchange, int] = {}
+        self.engine_for = engine_for
+
+    def served_by(self, ex: Exchange, endpoint: str) -> EngineState | None:
+        t, e = ex.ticket, ex.engine
+        if (t is None or e is None or t.done or t.first_token_at is not None
+                or endpoint == e.endpoint):
+            return None
+        self.link.send((W_SERVED, self.sids[ex], endpoint))
+        moved = next((f for f in t.fallbacks if f.endpoint == endpoint), None)
+        ex.engine = t.engine = moved or self.engine_for(endpoint, endpoint)
+        t.failover = True
+        return ex.engine
+
+    def first_token(self, ex: Exchange, now: float) -> None:
+        t = ex.ticket
+        if t is not None and t.first_token_at is None:
+            t.first_token_at = now
+            self.link.send((W_FIRST, self.sids[ex], now))
+
+    def release(self, ex: Exchange, terminal: str, out: Outcome) -> None:
+        if ex.ticket is not None:
+            ex.ticket.done = True
+        self.link.send((W_RELEASE, self.sids[ex], terminal, out.output_tokens,
+                        out.prompt_tokens, out.last_token_at, out.token_id_fault))
+
+    def count(self, ex: Exchange, terminal: str) -> None:
+        self.link.send((W_COUNT, self.sids[ex], terminal))
+
+    def closed(self, ex: Exchange, now: float) -> None:
+        self.link.send((W_CLOSED, self.sids[ex], now))
+
+
+class WorkerCall:
+    """One ext_proc stream in a worker: forwarded to the scheduler until it hands the
+    exchange over, then driven here."""
+
+    __slots__ = ("worker", "sid", "stream", "driver", "ended")
+
+    def __init__(self, worker: Worker, stream: Stream) -> None:
+        self.worker = worker
+        self.stream = stream
+        self.sid = worker.new_sid()
+        self.driver: Driver | None = None
+        self.ended = False
+        worker.calls[self.sid] = self
+
+    def on_message(self, data: bytes) -> None:
+        driver = self.driver
+        if driver is None:
+            self.worker.link.send((W_MSG, self.sid, data))
+            return
+        try:
+            msg = pb.ProcessingRequest.FromString(data)
+        except Exception:  # upb raises its own DecodeError type
+            self._end()
+            self.stream.finish(INVALID_ARGUMENT, "undecodable ProcessingRequest")
+            return
+        driver.step(_dispatch, driver.ex, msg)
+
+    def on_half_close(self) -> None:
+        self._end()
+        self.stream.finish()
+
+    def on_cancel(self) -> None:
+        self._end()
+
+    # -- from the scheduler --------------------------------------------------------------
+    def forwarded(self, data: bytes) -> None:
+        self.stream.send(data)
+        self.stream.conn.write_soon()
+
+    def finished(self, status: int, message: str) -> None:
+        """The scheduler ended the exchange (a refusal, a bad message): it is closed there."""
+        self.ended = True
+        self.worker.calls.pop(self.sid, None)
+        self.stream.finish(status, message)
+        self.stream.conn.write_soon()
+
+    def take_over(self, ex: Exchange) -> None:
+        self.worker.control.sids[ex] = self.sid
+        self.driver = Driver(self.worker.runtime, self._send, self.stream.conn.write_soon, ex)
+        self.driver.deliver([])  # its timer: the deadline
+
+    def _send(self, actions: list[Action]) -> None:
+        if send_actions(self.stream, actions):
+            self.on_half_close()
+
+    def _end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.worker.calls.pop(self.sid, None)
+        if self.driver is None:
+            self.worker.link.send((W_CLOSE, self.sid))
+            return
+        self.driver.closed()
+        self.worker.control.sids.pop(self.driver.ex, None)
+
+
+class Worker:
+    def __init__(self, config: Config, index: int, link: Link) -> None:
+        self.config = config
+        self.index = index
+        self.link = link
+        link.on_frame = self.on_frame
+        self.router = Router(config)
+        self.engines: dict[tuple[str, str], EngineState] = {}
+        self.control = RemoteControl(self.router, link, self.engine_for)
+        self.router.control = self.control
+        self.runtime = Runtime(self.router, asyncio.get_running_loop())
+        self.calls: dict[int, WorkerCall] = {}
+        self.sids = 0
+        self.ready: str | None = "starting"
+        self.health = HealthRegistry(self.health_status)
+
+    def new_sid(self) -> int:
+        self.sids += 1
+        return self.sids
+
+    def engine_for(self, name: str, endpoint: str) -> EngineState:
+        """An engine to name in this worker's exchanges (the scheduler's pool has the
+        state; here only its name and endpoint are read)."""
+        key = (name, endpoint)
+        e = self.engines.get(key)
+        if e is None:
+            if len(self.engines) > 4096:
+                self.engines.clear()
+            e = self.engines[key] = EngineState.from_config(
+                EngineConfig(name=name, url=f"http://{endpoint}"))
+        return e
+
+    def health_status(self, service: str) -> int | None:
+        if service == "liveness":
+            return health_pb2.HealthCheckResponse.SERVING
+        if service in ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            return (health_pb2.HealthCheckResponse.SERVING if self.ready is None
+                    else health_pb2.HealthCheckResponse.NOT_SERVING)
+        return None
+
+    def on_frame(self, f: list[Any]) -> None:
+        kind = f[0]
+        if kind == S_READY:
+            self.ready = f[1]
+            self.health.refresh()
+            return
+        call = self.calls.get(f[1])
+        if call is None:  # its stream ended meanwhile (the scheduler closed it there)
+            return
+        if kind == S_SEND:
+            call.forwarded(f[2])
+        elif kind == S_FINISH:
+            call.finished(f[2], f[3])
+        elif kind == S_HANDOFF:
+            call.take_over(resume(self.router, f[2], self.engine_for))
+
+    def routes(self) -> dict[bytes, Callable[[Stream], Any]]:
+        return {PROCESS_PATH: functools.partial(WorkerCall, self),
+                CHECK_PATH: self.health.check_call, WATCH_PATH: self.health.watch_call,
+                ACCESS_LOG_PATH: functools.partial(AccessLogCall, self.verdict)}
+
+    def verdict(self, request_id: str, verdict: str) -> None:
+        self.link.send((W_VERDICT, request_id, verdict))
+
+
+async def run_worker(config: Config, index: int, fd: int) -> None:
+    from .app import listen_grpc, start_tracer, stop_tracer
+
+    loop = asyncio.get_running_loop()
+    gone = loop.create_future()
+
+    def lost() -> None:
+        if not gone.done():
+            gone.set_result(None)
+
+    link = Link(lambda f: None, lost)
+    worker = Worker(config, index, link)  # before the link reads: it takes every frame
+    await loop.connect_accepted_socket(lambda: link, socket.socket(fileno=fd))
+    stop = await listen_grpc(config.serving, worker.routes(), None, worker_socket(config, index))
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the scheduler decides when workers stop
+        loop.add_signal_handler(sig, lambda: None)
+    tracer = start_tracer(config)  # the exchanges' records are made here
+    link.send((W_HELLO, os.getpid()))
+    await gone  # the scheduler closed the link (it drained) or died
+    await stop()
+    stop_tracer(tracer)
+
+
+def main(config: Config, index: int, fd: int) -> None:
+    from .loop import install_uvloop
+
+    install_uvloop()
+    asyncio.run(run_worker(config, index, fd))
