@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hmac
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -74,7 +76,9 @@ def _guard(token: str | None):
     return guard
 
 
-def admin_app(router: Router, token: str | None = None) -> web.Application:
+def admin_app(router: Router, token: str | None = None,
+              workers: Callable[[], list[dict[str, Any]]] | None = None) -> web.Application:
+    """``workers``: the worker processes' state for /status (``serving.workers``)."""
     registry = CollectorRegistry()
     registry.register(RouterCollector(router))
 
@@ -107,6 +111,7 @@ def admin_app(router: Router, token: str | None = None) -> web.Application:
             "requests": {"offered": acct.offered, "unsized_offered": acct.unsized_offered,
                          "in_flight": acct.in_flight, "held": router.held,
                          "queued": len(router.scheduler.queue), "terminal": acct.terminal},
+            "workers": workers() if workers is not None else [],
             "sizing": {"bytes_per_token": round(router.sizer.bytes_per_token, 3),
                        "samples": router.sizer.samples},
             "prediction_error": router.learning.error_quantiles(),

@@ -169,6 +169,7 @@ class RemoteCall(ExtProcCall):
             ex.handed_off()
             stream = self.stream
             assert isinstance(stream, RemoteStream)
+            stream.port.handoffs += 1
             stream.port.link.send((S_HANDOFF, stream.sid, snapshot(ex)))
             if not ex.completion:  # a pass-through holds nothing here: done with it
                 stream.port.calls.pop(stream.sid, None)
@@ -188,6 +189,9 @@ class WorkerPort:
         self.link = Link(self.on_frame, self.lost)
         self.hello = asyncio.get_running_loop().create_future()
         self.ready: str | None = "starting"
+        self.pid = 0
+        self.streams = 0  # ext_proc streams it forwarded
+        self.handoffs = 0  # exchanges it took over
 
     def on_frame(self, f: list[Any]) -> None:
         kind = f[0]
@@ -195,12 +199,14 @@ class WorkerPort:
             call = self.calls.get(f[1])
             if call is None:
                 call = self.calls[f[1]] = RemoteCall(self.runtime, RemoteStream(self, f[1]))
+                self.streams += 1
             call.on_message(f[2])
             return
         if kind == W_VERDICT:
             self.runtime.router.closes.logged(f[1], f[2])
             return
         if kind == W_HELLO:
+            self.pid = f[1]
             if not self.hello.done():
                 self.hello.set_result(None)
             return
@@ -255,6 +261,7 @@ class Workers:
         self.ports: list[WorkerPort | None] = [None] * self.n
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * self.n
         self.stopping = False
+        self.restarts = [0] * self.n
         runtime.router.listeners.append(self._push_ready)
 
     async def start(self) -> None:
@@ -283,6 +290,7 @@ class Workers:
         if self.stopping:
             return
         log.error("worker %d exited; starting it again", port.index)
+        self.restarts[port.index] += 1
         proc = self.procs[port.index]
         if proc is not None:
             with contextlib.suppress(Exception):
@@ -297,6 +305,14 @@ class Workers:
         for port in self.ports:
             if port is not None:
                 port.push_ready(reason)
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per worker, for /status: up (its link open), pid, streams it forwarded,
+        exchanges it took over, streams open, restarts."""
+        return [{"index": i, "up": p is not None and p.link.transport is not None,
+                 "pid": p.pid if p else 0, "streams": p.streams if p else 0,
+                 "handoffs": p.handoffs if p else 0, "open": len(p.calls) if p else 0,
+                 "restarts": self.restarts[i]} for i, p in enumerate(self.ports)]
 
     async def stop(self) -> None:
         self.stopping = True

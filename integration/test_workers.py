@@ -1,0 +1,106 @@
+"""serving.workers through a real Envoy: the admission, conservation and reliability suites
+unchanged with two workers, streams spread over the workers, and a worker that dies."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from narwhal.launch import SimSpec
+
+from .conftest import MODEL, _stack, client_for, status, unix_socket, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITES = ["integration/test_admission.py", "integration/test_conservation.py",
+          "integration/test_hardening.py"]
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def test_admission_conservation_and_reliability_suites_pass_with_two_workers():
+    """The same test modules, every stack with serving.workers: 2 (conftest's hook)."""
+    env = {**os.environ, "NARWHAL_TEST_WORKERS": "2"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          *SUITES], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1200)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    yield from _stack([SimSpec("sim-w", args=["--tpot-ms", "20"])],
+                      {"serving": {"workers": 2, "extproc_socket": unix_socket()},
+                       "admission": {"mode": "open"}})
+
+
+def settled(stack) -> dict:
+    return wait_for(lambda: (s := status(stack))["requests"]["in_flight"] == 0 and s)
+
+
+def test_streams_are_spread_over_the_workers_and_handed_off(two_workers):
+    before = status(two_workers)["workers"]
+    client = client_for(two_workers)
+    for i in range(8):
+        if i % 2:
+            resp = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=3)
+            assert resp.usage.completion_tokens == 3
+        else:
+            chunks = list(client.chat.completions.create(
+                model=MODEL, messages=MSGS, max_tokens=3, stream=True,
+                stream_options={"include_usage": True}))
+            assert chunks[-1].usage.completion_tokens == 3
+    st = settled(two_workers)
+    after = st["workers"]
+    assert [w["index"] for w in after] == [0, 1] and all(w["up"] for w in after)
+    handed = [a["handoffs"] - b["handoffs"] for a, b in zip(after, before, strict=True)]
+    assert sum(handed) == 8 and all(h > 0 for h in handed)  # Envoy spreads the streams
+    assert all(w["open"] == 0 for w in after)
+    assert st["engines"][0]["in_flight"] == 0 and st["requests"]["held"] == 0
+
+
+def test_a_worker_that_dies_is_started_again_and_its_requests_end(two_workers):
+    before = settled(two_workers)
+    old = before["workers"][0]
+
+    def long_stream(i: int) -> str:
+        body = {"model": MODEL, "messages": MSGS, "max_tokens": 400, "stream": True}
+        try:
+            with httpx.stream("POST", f"{two_workers.url}/v1/chat/completions", json=body,
+                              timeout=60) as resp:
+                for _ in resp.iter_lines():
+                    pass
+            return "done"
+        except httpx.HTTPError:
+            return "cut"
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(long_stream, i) for i in range(6)]
+        # Both workers hold streams that are under way (observable: the scheduler's view).
+        wait_for(lambda: all(w["open"] > 0 for w in status(two_workers)["workers"]))
+        os.kill(old["pid"], signal.SIGKILL)
+        outcomes = [f.result() for f in futures]
+    assert "cut" in outcomes  # the dead worker's clients saw their streams end
+    st = wait_for(lambda: (s := status(two_workers))["workers"][0]["restarts"] == 1
+                  and s["workers"][0]["up"] and s["workers"][0]["pid"] != old["pid"] and s)
+    st = settled(two_workers)
+    req = st["requests"]
+    assert req["held"] == 0 and req["queued"] == 0 and st["engines"][0]["in_flight"] == 0
+    assert req["offered"] == sum(req["terminal"].values())  # nothing lost, nothing leaked
+    assert req["offered"] == before["requests"]["offered"] + 6
+    # And it serves again, through both workers.
+    start = [w["handoffs"] for w in st["workers"]]
+    deadline = time.monotonic() + 30
+    while any(w["handoffs"] == s for w, s in zip(status(two_workers)["workers"], start,
+                                                   strict=True)):
+        assert time.monotonic() < deadline, status(two_workers)["workers"]
+        resp = client_for(two_workers).chat.completions.create(model=MODEL, messages=MSGS,
+                                                               max_tokens=2)
+        assert resp.usage.completion_tokens == 2
