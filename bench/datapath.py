@@ -8,9 +8,12 @@ side by side in one run.
 Paths, each against its own simulator of the same kind:
   envoy        Envoy alone, proxying to the simulator (bench/envoy-direct.yaml)
   vllm-router  the PyPI Rust router users pick instead (round robin over one engine)
-  narwhal      Envoy + Narwhal, per config: ``default`` (the shipped scheduler settings:
-               4 prefill slots per engine, requests beyond them queue in Narwhal) and
-               ``wide`` (slots wide enough for every client, as through Envoy alone)
+  narwhal      Envoy + Narwhal over a Unix socket (the chart's sidecar default), per
+               config: ``default`` (the shipped scheduler settings: 4 prefill slots per
+               engine, requests beyond them queue in Narwhal), ``wide`` (slots wide enough
+               for every client, as through Envoy alone) and ``workers2`` (the default
+               with ``serving.workers: 2``: the scheduler process and two workers; the
+               scheduler's own CPU is also reported on its own)
 
 Workloads: (a) 16-token chat completions against an instant engine, non-streaming and
 streaming, ``--connections`` wrk connections; (b) paced streams, 5 ms per token x 64
@@ -70,8 +73,9 @@ class Route:
 
     name: str
     url: str
-    pids: dict[str, int]  # role -> pid
+    pids: dict[str, int]  # role -> pid (its CPU with its children's)
     stop: Callable[[], None]
+    alone: frozenset[str] = frozenset()  # roles charged without their children
     rps: list[float] = field(default_factory=list)
     cpu_us: dict[str, list[float]] = field(default_factory=dict)  # role -> per unit
     errors: int = 0
@@ -111,8 +115,12 @@ def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
     paths: list[Route] = []
     stacks = {}
     for cfg in configs:
+        serving: dict = {"transport": transport,
+                         "extproc_socket": str(Path(tempfile.mkdtemp(prefix="nw-")) / "x.sock")}
+        if cfg == "workers2":
+            serving["workers"] = 2
         stack = Stack(sims=[sim], model=MODEL,
-                      config={"serving": {"transport": transport},
+                      config={"serving": serving,
                               "scheduler": WIDE if cfg == "wide" else {}}).start()
         stacks[cfg] = stack
     # Envoy alone and the peer proxy to the first stack's simulator.
@@ -136,9 +144,12 @@ def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
         paths.append(Route("vllm-router", f"http://127.0.0.1:{router_port}",
                            {"vllm-router": router.pid}, stop_router))
     for cfg, stack in stacks.items():
-        paths.append(Route(f"narwhal-{cfg}", stack.url,
-                           {"envoy": stack.proc("envoy").popen.pid,
-                            "narwhal": stack.proc("narwhal").popen.pid}, stack.stop))
+        pid = stack.proc("narwhal").popen.pid
+        pids = {"envoy": stack.proc("envoy").popen.pid, "narwhal": pid}
+        if cfg == "workers2":  # narwhal: the scheduler and its workers; and it alone
+            pids["scheduler"] = pid
+        paths.append(Route(f"narwhal-{cfg}", stack.url, pids, stack.stop,
+                           frozenset({"scheduler"})))
     return paths
 
 
@@ -149,12 +160,15 @@ def measure(paths: list[Route], body: dict, connections: int, units_per_request:
         wrk(p.url + path, body, 1, connections, workdir)
     for _ in range(args.reps):
         for p in paths:
-            c0 = {role: tree_cpu(pid) for role, pid in p.pids.items()}
+            def cpu(role: str, pid: int, p: Route = p) -> float:
+                return cpu_seconds(pid) if role in p.alone else tree_cpu(pid)
+
+            c0 = {role: cpu(role, pid) for role, pid in p.pids.items()}
             n, rps, bad = wrk(p.url + path, body, args.duration, connections, workdir)
             p.errors += bad
             p.rps.append(rps)
             for role, pid in p.pids.items():
-                used = tree_cpu(pid) - c0[role]
+                used = cpu(role, pid) - c0[role]
                 p.cpu_us.setdefault(role, []).append(used / max(1, n * units_per_request) * 1e6)
 
 
@@ -201,9 +215,9 @@ def report(rows: list[Row]) -> list[str]:
         unit = base.unit
         out.append(f"\n{workload}  (CPU us per {unit}; ratio to Envoy alone's CPU)")
         out.append(f"  {'path':16} {'rate/s':>9} {'vs envoy':>9}   {'envoy':>14} "
-                   f"{'narwhal':>14} {'peer':>14} {'whole path':>14}")
+                   f"{'narwhal':>14} {'peer':>14} {'whole path':>14} {'of which sched':>14}")
         for r in group:
-            total = sum(r.cpu.values())
+            total = sum(v for role, v in r.cpu.items() if role != "scheduler")
 
             def cell(role: str, r: Row = r, base_cpu: float = envoy_cpu) -> str:
                 v = r.cpu.get(role)
@@ -212,8 +226,25 @@ def report(rows: list[Row]) -> list[str]:
             err = f"   ({r.errors} non-2xx)" if r.errors else ""
             out.append(f"  {r.path:16} {r.rate:9.0f} {r.rate / base.rate:8.1%}   "
                        f"{cell('envoy')} {cell('narwhal')} {cell('vllm-router')} "
-                       f"{total:7.1f} {total / envoy_cpu:5.2f}x{err}")
+                       f"{total:7.1f} {total / envoy_cpu:5.2f}x {cell('scheduler')}{err}")
     return out
+
+
+def workers_line(rows: list[Row]) -> list[str]:
+    """workers: 2 against one process: Narwhal's CPU per unit, and the scheduler's share."""
+    out = []
+    for workload in dict.fromkeys(r.workload for r in rows):
+        one = next((r for r in rows if r.workload == workload and r.path == "narwhal-default"),
+                   None)
+        two = next((r for r in rows if r.workload == workload
+                    and r.path == "narwhal-workers2"), None)
+        if one is None or two is None:
+            continue
+        a, b, sched = one.cpu["narwhal"], two.cpu["narwhal"], two.cpu["scheduler"]
+        out.append(f"workers 2 vs 1, {workload}: {b:.1f} vs {a:.1f} us per {one.unit} "
+                   f"({b / a - 1:+.0%}); the scheduler process {sched:.1f} us of it, the "
+                   f"workers {b - sched:.1f} us ({(b - sched) / a - 1:+.0%} of one process)")
+    return ["", *out] if out else []
 
 
 def capacity(rows: list[Row]) -> list[str]:
@@ -263,8 +294,8 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per run")
     parser.add_argument("--reps", type=int, default=3, help="runs per path (median reported)")
     parser.add_argument("--connections", type=int, default=8, help="wrk connections for (a)")
-    parser.add_argument("--configs", default="default,wide",
-                        help="Narwhal scheduler configs to measure: default, wide")
+    parser.add_argument("--configs", default="default,wide,workers2",
+                        help="Narwhal configs to measure: default, wide, workers2")
     parser.add_argument("--transport", default="asyncio", choices=["asyncio", "grpcio"])
     parser.add_argument("--no-peer", dest="peer", action="store_false",
                         help="leave vllm-router out")
@@ -288,7 +319,7 @@ def main() -> int:
     print(f"reproduce: python -m bench.datapath --duration {args.duration:g} --reps {args.reps}"
           f" --connections {args.connections} --configs {args.configs}"
           f" --transport {args.transport}" + ("" if args.peer else " --no-peer"))
-    for line in report(rows) + capacity(rows):
+    for line in report(rows) + workers_line(rows) + capacity(rows):
         print(line)
     if args.plot:
         plot(rows, args.plot)

@@ -35,6 +35,7 @@ FEATURES = {
     "no-pdb": ["--set", "podDisruptionBudget.enabled=false"],
     "expose-extproc": ["--set", "service.exposeExtproc=true"],
     "tcp-extproc": ["--set", "sidecar.unixSocket=false"],
+    "workers": ["--set", "sidecar.workers=3"],
     "admin-token": ["--set", "admin.token=s3cret"],
     "admin-secret": ["--set", "admin.existingSecret=ops-narwhal", "--set", "admin.tokenKey=tk",
                      "--set", "mode=gateway"],
@@ -167,6 +168,21 @@ def test_sidecar_pod_shape():
     for c in pod["containers"]:
         assert any(m["mountPath"] == "/tmp" and m["name"] in tmp for m in c["volumeMounts"])
         assert sock.startswith("/tmp/")
+
+
+def test_workers_are_the_envoy_clusters_endpoints():
+    (cm,) = by_kind(render(FEATURES["workers"]), "ConfigMap")
+    cfg = parse(yaml.safe_load(cm["data"]["narwhal.yaml"]))
+    assert cfg.serving.workers == 3
+    envoy = yaml.safe_load(cm["data"]["envoy.yaml"])
+    cluster = next(c for c in envoy["static_resources"]["clusters"] if c["name"] == "narwhal")
+    assert [e["endpoint"]["address"] for e in cluster["load_assignment"]["endpoints"][0][
+        "lb_endpoints"]] == [{"pipe": {"path": f"{cfg.serving.extproc_socket}.{i}"}}
+                             for i in range(3)]
+    out = subprocess.run([helm(), "template", "narwhal", str(CHART), "--set", "sidecar.workers=2",
+                          "--set", "sidecar.unixSocket=false"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and "sidecar.workers > 1 needs" in out.stderr
 
 
 def test_gateway_mode_exposes_extproc_and_points_the_pool_at_it():

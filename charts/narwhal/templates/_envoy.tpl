@@ -109,8 +109,14 @@ static_resources:
       cluster_name: narwhal
       endpoints:
       - lb_endpoints:
-        {{- with include "narwhal.extprocSocket" . }}
-        - endpoint: {address: {pipe: {path: {{ . }}}}}
+        {{- $workers := int .Values.sidecar.workers }}
+        {{- $sock := include "narwhal.extprocSocket" . }}
+        {{- if and $sock (gt $workers 1) }}
+        {{- range $i := until $workers }}
+        - endpoint: {address: {pipe: {path: {{ printf "%s.%d" $sock $i }}}}}
+        {{- end }}
+        {{- else if $sock }}
+        - endpoint: {address: {pipe: {path: {{ $sock }}}}}
         {{- else }}
         - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: {{ .Values.ports.extproc }}}}}
         {{- end }}

@@ -24,6 +24,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if include "narwhal.extprocSocket" . -}}
 {{- $_ := set $serving "extproc_socket" (include "narwhal.extprocSocket" .) -}}
 {{- end -}}
+{{- if gt (int .Values.sidecar.workers) 1 -}}
+{{- if not (include "narwhal.extprocSocket" .) -}}{{- fail "sidecar.workers > 1 needs mode=sidecar and sidecar.unixSocket=true (workers serve on Unix sockets)" -}}{{- end -}}
+{{- $_ := set $serving "workers" (int .Values.sidecar.workers) -}}
+{{- end -}}
 {{- $telemetry := merge (dict "admin_host" "0.0.0.0" "admin_port" (int .Values.ports.admin)) ($c.telemetry | default dict) -}}
 {{- if include "narwhal.adminSecret" . -}}
 {{- $_ := set $telemetry "admin_token_file" (printf "/etc/narwhal-admin/%s" .Values.admin.tokenKey) -}}
