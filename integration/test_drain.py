@@ -10,13 +10,14 @@ import httpx
 
 from narwhal.launch import SimSpec, Stack
 
-from .conftest import MODEL
+from .conftest import MODEL, _with_workers
 
 MSGS = [{"role": "user", "content": "drain me"}]
 
 
 def test_sigterm_finishes_in_flight_then_exits():
-    stack = Stack(sims=[SimSpec("d", args=["--tpot-ms", "20"])], model=MODEL).start()
+    stack = Stack(sims=[SimSpec("d", args=["--tpot-ms", "20"])], model=MODEL,
+                  config=_with_workers({})).start()
     try:
         url = f"{stack.url}/v1/chat/completions"
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -20,7 +20,7 @@ from .conftest import MODEL, _stack, client_for, status, unix_socket, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITES = ["integration/test_admission.py", "integration/test_conservation.py",
-          "integration/test_hardening.py"]
+          "integration/test_hardening.py", "integration/test_drain.py"]
 MSGS = [{"role": "user", "content": "hi"}]
 
 

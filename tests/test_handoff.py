@@ -20,6 +20,7 @@ from narwhal.core.handoff import resume
 from narwhal.core.router import Router
 from narwhal.server import workers as w
 from narwhal.server.driver import Runtime
+from narwhal.server.grpc_server import GrpcConnection
 
 from .test_exchange import BODY, admit, engine_stream
 
@@ -213,5 +214,40 @@ def test_refusal_is_answered_by_the_scheduler_and_never_handed_off():
         reply = pb.ProcessingResponse.FromString(frames[0][2])
         assert reply.immediate_response.status.code == 503
         assert p.port.calls == {} and p.sched.accounting.in_flight == 0
+
+    in_loop(body)
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.reading = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def test_a_full_link_holds_envoys_connections_until_it_drains():
+    def body() -> None:
+        link = w.Link(lambda f: None, lambda: None)
+        worker = w.Worker(parse({}), 0, link)
+        conn = GrpcConnection({})
+        conn.transport = FakeTransport()  # type: ignore[assignment]
+        worker.watch(conn)
+        link.pause_writing()  # the scheduler is not keeping up
+        assert not conn.transport.reading
+        conn.resume_writing()  # its own socket drained: still held by the link
+        assert not conn.transport.reading
+        late = GrpcConnection({})
+        late.transport = FakeTransport()  # type: ignore[assignment]
+        worker.watch(late)  # a connection that arrives meanwhile waits too
+        assert not late.transport.reading
+        link.resume_writing()
+        assert conn.transport.reading and late.transport.reading
 
     in_loop(body)

@@ -128,6 +128,8 @@ class GrpcConnection(asyncio.Protocol):
         self.blocked: set[int] = set()
         self.flush_scheduled = False
         self.preface_timer: asyncio.TimerHandle | None = None
+        self.write_paused = False  # our send buffer to this peer is full
+        self.held = False  # what this peer's input feeds is full (a worker's link)
 
     # -- asyncio.Protocol --------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -149,12 +151,27 @@ class GrpcConnection(asyncio.Protocol):
     def pause_writing(self) -> None:
         """The socket's send buffer is over its high-water mark: read nothing more from
         this peer (whose input makes our output) until it drains."""
-        if self.transport is not None:
-            self.transport.pause_reading()
+        self.write_paused = True
+        self._sync_reading()
 
     def resume_writing(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
+        self.write_paused = False
+        self._sync_reading()
+
+    def hold(self, on: bool) -> None:
+        """Read nothing more from this peer while ``on``: where its input goes next (a
+        worker's link to the scheduler) is full."""
+        self.held = on
+        self._sync_reading()
+
+    def _sync_reading(self) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if self.write_paused or self.held:
+            t.pause_reading()
+        else:
+            t.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         for ev in self.http2.receive(data):

@@ -39,6 +39,7 @@ import signal
 import socket
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -56,7 +57,7 @@ from .access_log import ACCESS_LOG_PATH, AccessLogCall
 from .driver import Driver, Runtime
 from .extproc import PROCESS_PATH, ExtProcCall, _dispatch, send_actions
 from .grpc_health import CHECK_PATH, WATCH_PATH, HealthRegistry
-from .grpc_server import INVALID_ARGUMENT, OK, Stream
+from .grpc_server import INVALID_ARGUMENT, OK, GrpcConnection, Stream
 
 log = logging.getLogger("narwhal.workers")
 
@@ -65,6 +66,7 @@ W_HELLO, W_MSG, W_CLOSE, W_SERVED, W_FIRST, W_RELEASE, W_COUNT, W_CLOSED, W_VERD
 # Scheduler -> worker frames.
 S_SEND, S_FINISH, S_HANDOFF, S_READY = range(4)
 MAX_FRAME = 64 * 1024 * 1024  # an ext_proc message is at most serving.max_message_bytes
+LINK_HIGH = 4 * 1024 * 1024  # a link's unsent bytes above which its feeders stop reading
 HELLO_TIMEOUT_S = 60.0
 RESTART_DELAY_S = 1.0
 _encode = msgspec.msgpack.Encoder().encode
@@ -83,6 +85,7 @@ class Link(asyncio.Protocol):
                  on_lost: Callable[[], None]) -> None:
         self.on_frame = on_frame
         self.on_lost = on_lost
+        self.on_full: Callable[[bool], None] = lambda full: None
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.out: list[bytes] = []
@@ -90,6 +93,14 @@ class Link(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        self.transport.set_write_buffer_limits(high=LINK_HIGH)
+
+    def pause_writing(self) -> None:
+        """The other process is not keeping up: whoever feeds this link waits."""
+        self.on_full(True)
+
+    def resume_writing(self) -> None:
+        self.on_full(False)
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf
@@ -387,6 +398,7 @@ class WorkerCall:
         self.driver: Driver | None = None
         self.ended = False
         worker.calls[self.sid] = self
+        worker.watch(stream.conn)
 
     def on_message(self, data: bytes) -> None:
         driver = self.driver
@@ -456,6 +468,22 @@ class Worker:
         self.sids = 0
         self.ready: str | None = "starting"
         self.health = HealthRegistry(self.health_status)
+        # Envoy's connections, held back while the link to the scheduler is full (what
+        # they send is forwarded there): a slow scheduler bounds what a worker buffers.
+        self.conns: weakref.WeakSet[GrpcConnection] = weakref.WeakSet()
+        self.full = False
+        link.on_full = self.link_full
+
+    def link_full(self, full: bool) -> None:
+        self.full = full
+        for conn in list(self.conns):
+            conn.hold(full)
+
+    def watch(self, conn: GrpcConnection) -> None:
+        if conn not in self.conns:
+            self.conns.add(conn)
+            if self.full:
+                conn.hold(True)
 
     def new_sid(self) -> int:
         self.sids += 1
