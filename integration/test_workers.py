@@ -11,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from narwhal.launch import SimSpec
 
@@ -105,3 +107,16 @@ def test_a_worker_that_dies_is_started_again_and_its_requests_end(two_workers):
         resp = client_for(two_workers).chat.completions.create(model=MODEL, messages=MSGS,
                                                                max_tokens=2)
         assert resp.usage.completion_tokens == 2
+
+
+def test_each_worker_answers_grpc_health_with_the_schedulers_readiness(two_workers):
+    sock = two_workers.config["serving"]["extproc_socket"]
+    for i in range(2):
+        with grpc.insecure_channel(f"unix:{sock}.{i}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "liveness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND

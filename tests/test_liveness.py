@@ -47,3 +47,10 @@ def test_failing_rounds_are_survived(monkeypatch):
         asyncio.run(telemetry.telemetry_loop(router))
     assert len(calls) == 5  # the loop went on after three failed rounds
     assert router.heartbeat is not None and router.live()
+
+
+def test_the_ext_proc_service_name_is_a_readiness_name():
+    from narwhal.server.extproc import SERVICE_NAME
+    from narwhal.server.grpc_health import READINESS_SERVICES
+
+    assert SERVICE_NAME in READINESS_SERVICES

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import grpc
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from ..config import Config, ConfigError, Serving
 from ..core.router import Router
@@ -22,8 +22,14 @@ from .access_log import ACCESS_LOG_PATH, AccessLogCall
 from .admin import admin_app, admin_token
 from .discovery import discover_once, discovery_loop
 from .driver import RECORDS, Runtime
-from .extproc import PROCESS_PATH, SERVICE_NAME, ExternalProcessor, ExtProcCall
-from .grpc_health import CHECK_PATH, WATCH_PATH, HealthRegistry
+from .extproc import PROCESS_PATH, ExternalProcessor, ExtProcCall
+from .grpc_health import (
+    CHECK_PATH,
+    READINESS_SERVICES,
+    WATCH_PATH,
+    HealthRegistry,
+    serving_status,
+)
 from .grpc_server import Call, GrpcConnection, Stream
 from .loop import install_uvloop
 from .telemetry import telemetry_loop
@@ -32,20 +38,11 @@ if TYPE_CHECKING:
     from .tracing import Tracer
 
 log = logging.getLogger("narwhal")
-READINESS_SERVICES = ("", "readiness", SERVICE_NAME)
 DRAIN_TIMEOUT_S = 30.0
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
 
 
 def health_status(router: Router, service: str) -> int | None:
-    """gRPC health per service name; None for names Narwhal does not serve."""
-    if service == "liveness":
-        return SERVING
-    if service in READINESS_SERVICES:
-        return SERVING if router.not_ready_reason() is None else NOT_SERVING
-    return None
+    return serving_status(service, router.not_ready_reason)
 
 
 def _unlink_stale(path: str) -> None:

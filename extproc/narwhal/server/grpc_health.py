@@ -17,6 +17,18 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 CHECK_PATH = b"/grpc.health.v1.Health/Check"
 WATCH_PATH = b"/grpc.health.v1.Health/Watch"
+# Names that mean "may Envoy send ext_proc streams here" (the last: the ext_proc service).
+READINESS_SERVICES = ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
+
+
+def serving_status(service: str, not_ready: Callable[[], str | None]) -> int | None:
+    """gRPC health per service name, from why the router does not serve (None: it does);
+    None for names Narwhal does not serve."""
+    if service == "liveness":
+        return SERVING
+    if service in READINESS_SERVICES:
+        return SERVING if not_ready() is None else NOT_SERVING
+    return None
 
 
 def _response(status: int) -> bytes:

@@ -45,7 +45,6 @@ from typing import Any
 
 import msgspec
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from grpc_health.v1 import health_pb2
 
 from ..config import Config, EngineConfig
 from ..core.control import Control, Outcome
@@ -56,7 +55,7 @@ from ..core.router import Router
 from .access_log import ACCESS_LOG_PATH, AccessLogCall
 from .driver import Driver, Runtime
 from .extproc import PROCESS_PATH, ExtProcCall, _dispatch, send_actions
-from .grpc_health import CHECK_PATH, WATCH_PATH, HealthRegistry
+from .grpc_health import CHECK_PATH, WATCH_PATH, HealthRegistry, serving_status
 from .grpc_server import INVALID_ARGUMENT, OK, GrpcConnection, Stream
 
 log = logging.getLogger("narwhal.workers")
@@ -502,12 +501,8 @@ class Worker:
         return e
 
     def health_status(self, service: str) -> int | None:
-        if service == "liveness":
-            return health_pb2.HealthCheckResponse.SERVING
-        if service in ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
-            return (health_pb2.HealthCheckResponse.SERVING if self.ready is None
-                    else health_pb2.HealthCheckResponse.NOT_SERVING)
-        return None
+        """The scheduler's readiness, as last pushed (S_READY)."""
+        return serving_status(service, lambda: self.ready)
 
     def on_frame(self, f: list[Any]) -> None:
         kind = f[0]
