@@ -87,8 +87,8 @@ class Pair:
 
     def forward(self, sid: int, body: bytes) -> tuple[list[Any], list[bytes]]:
         """The worker forwards a request's messages; returns the handoff and the replies."""
-        for raw in request_messages(body):
-            self.port.on_frame([w.W_MSG, sid, raw])
+        for i, raw in enumerate(request_messages(body)):
+            self.port.on_frame([w.W_MSG if i else w.W_OPEN, sid, raw])
         frames = self.to_worker.take()
         handoffs = [f[2] for f in frames if f[0] == w.S_HANDOFF]
         assert len(handoffs) == 1 and frames[0][0] == w.S_HANDOFF  # before the replies
@@ -207,13 +207,30 @@ def test_refusal_is_answered_by_the_scheduler_and_never_handed_off():
     def body() -> None:
         p = Pair()
         p.sched.engines[0].healthy = False
-        for raw in request_messages(STREAM_BODY):
-            p.port.on_frame([w.W_MSG, 2, raw])
+        for i, raw in enumerate(request_messages(STREAM_BODY)):
+            p.port.on_frame([w.W_MSG if i else w.W_OPEN, 2, raw])
         frames = p.to_worker.take()
         assert [f[0] for f in frames] == [w.S_SEND, w.S_FINISH]
         reply = pb.ProcessingResponse.FromString(frames[0][2])
         assert reply.immediate_response.status.code == 503
         assert p.port.calls == {} and p.sched.accounting.in_flight == 0
+
+    in_loop(body)
+
+
+def test_the_rest_of_a_stream_the_scheduler_ended_opens_nothing():
+    def body() -> None:
+        p = Pair()
+        p.sched.started = False  # not ready: refused at its headers
+        headers, rest = request_messages(STREAM_BODY)
+        p.port.on_frame([w.W_OPEN, 4, headers])
+        assert [f[0] for f in p.to_worker.take()] == [w.S_SEND, w.S_FINISH]
+        p.port.on_frame([w.W_MSG, 4, rest])  # forwarded before the worker heard
+        p.port.on_frame([w.W_CLOSE, 4])
+        assert p.port.calls == {} and p.to_worker.take() == []
+        assert not p.port.runtime.live  # nothing kept for it
+        acct = p.sched.accounting
+        assert acct.offered == 1 and acct.in_flight == 0 and acct.balanced()
 
     in_loop(body)
 

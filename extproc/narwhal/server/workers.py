@@ -60,8 +60,10 @@ from .grpc_server import INVALID_ARGUMENT, OK, GrpcConnection, Stream
 
 log = logging.getLogger("narwhal.workers")
 
-# Worker -> scheduler frames: [kind, stream id, ...].
-W_HELLO, W_MSG, W_CLOSE, W_SERVED, W_FIRST, W_RELEASE, W_COUNT, W_CLOSED, W_VERDICT = range(9)
+# Worker -> scheduler frames: [kind, stream id, ...]. A stream's first message is W_OPEN:
+# a W_MSG for a stream the scheduler does not hold (it ended it meanwhile) is dropped.
+(W_HELLO, W_OPEN, W_MSG, W_CLOSE, W_SERVED, W_FIRST, W_RELEASE, W_COUNT, W_CLOSED,
+ W_VERDICT) = range(10)
 # Scheduler -> worker frames.
 S_SEND, S_FINISH, S_HANDOFF, S_READY = range(4)
 MAX_FRAME = 64 * 1024 * 1024  # an ext_proc message is at most serving.max_message_bytes
@@ -205,9 +207,11 @@ class WorkerPort:
 
     def on_frame(self, f: list[Any]) -> None:
         kind = f[0]
-        if kind == W_MSG:
+        if kind in (W_MSG, W_OPEN):
             call = self.calls.get(f[1])
             if call is None:
+                if kind == W_MSG:  # the rest of a stream this side already ended
+                    return
                 call = self.calls[f[1]] = RemoteCall(self.runtime, RemoteStream(self, f[1]))
                 self.streams += 1
             call.on_message(f[2])
@@ -388,7 +392,7 @@ class WorkerCall:
     """One ext_proc stream in a worker: forwarded to the scheduler until it hands the
     exchange over, then driven here."""
 
-    __slots__ = ("worker", "sid", "stream", "driver", "ended")
+    __slots__ = ("worker", "sid", "stream", "driver", "ended", "opened")
 
     def __init__(self, worker: Worker, stream: Stream) -> None:
         self.worker = worker
@@ -396,13 +400,15 @@ class WorkerCall:
         self.sid = worker.new_sid()
         self.driver: Driver | None = None
         self.ended = False
+        self.opened = False  # its first message went to the scheduler
         worker.calls[self.sid] = self
         worker.watch(stream.conn)
 
     def on_message(self, data: bytes) -> None:
         driver = self.driver
         if driver is None:
-            self.worker.link.send((W_MSG, self.sid, data))
+            self.worker.link.send((W_MSG if self.opened else W_OPEN, self.sid, data))
+            self.opened = True
             return
         try:
             msg = pb.ProcessingRequest.FromString(data)
@@ -446,7 +452,8 @@ class WorkerCall:
         self.ended = True
         self.worker.calls.pop(self.sid, None)
         if self.driver is None:
-            self.worker.link.send((W_CLOSE, self.sid))
+            if self.opened:
+                self.worker.link.send((W_CLOSE, self.sid))
             return
         self.driver.closed()
         self.worker.control.sids.pop(self.driver.ex, None)
