@@ -12,8 +12,10 @@ conversations; user turns lognormal (median 120 tokens); 35% of requests continu
 earlier conversation with its history; outputs stop by themselves (lognormal, median 48,
 scaled by the conversation's application) under ``max_tokens`` 1024.
 
-Policies: Narwhal predictive (model seeds at their defaults), Narwhal open, Envoy round
-robin, and `vllm-router` (PyPI) `power_of_two` and `cache_aware`. Per policy and load:
+Policies: Narwhal predictive (model seeds at their defaults), Narwhal open, each also with
+the prefix index off (``-noprefix``: the open pair compares placement alone, nothing
+refused), predictive with the prefix-affinity scorer, Envoy round robin, and
+`vllm-router` (PyPI) `power_of_two` and `cache_aware`. Per policy and load:
 goodput (completed requests per second within the TTFT budget), % of admitted within
 budget, TTFT and TPOT p50/p99, refusal rate, Narwhal's TTFT prediction error p50/p90 and
 MAPE (header x-narwhal-predicted-ttft-ms against the client's measurement) and its output
@@ -49,8 +51,8 @@ NATURAL_OUTPUT = 48
 MAX_TOKENS = 1024
 WORDS = ("narwhal tusk ocean arctic ice whale pod swim deep cold water light wave router "
          "engine token prefill decode budget queue admit place stream chunk").split()
-POLICIES = ("predictive", "open", "predictive-noprefix", "predictive-affinity", "round-robin",
-            "vllm-router-p2", "vllm-router-cache")
+POLICIES = ("predictive", "open", "predictive-noprefix", "open-noprefix", "predictive-affinity",
+            "round-robin", "vllm-router-p2", "vllm-router-cache")
 
 
 def text(rng: random.Random, tokens: int) -> str:
@@ -240,6 +242,7 @@ def sims(scale: float) -> list[SimSpec]:
 # Narwhal's variants: the scheduler settings each adds to the defaults.
 NARWHAL = {"predictive": ("predictive", {}), "open": ("open", {}),
            "predictive-noprefix": ("predictive", {"prefix_index_blocks": 0}),
+           "open-noprefix": ("open", {"prefix_index_blocks": 0}),
            "predictive-affinity": ("predictive", {"scorers": {"ttft": 1.0,
                                                               "prefix-affinity": 0.5}})}
 
