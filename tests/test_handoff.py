@@ -235,6 +235,27 @@ def test_the_rest_of_a_stream_the_scheduler_ended_opens_nothing():
     in_loop(body)
 
 
+def test_a_worker_that_dies_between_release_and_count_leaves_nothing_uncounted():
+    def body() -> None:
+        p = Pair()
+        snap, _ = p.forward(6, BODY)
+        ex = p.take_over(6, snap)
+        ex.response_headers(EVENT_STREAM, False)
+        upstream = orjson.loads(BODY) | {"stream": True, "return_token_ids": True,
+                                          "stream_options": {"include_usage": True}}
+        ex.response_body(engine_stream(orjson.dumps(upstream)), True)
+        release = [f for f in p.to_sched.take() if f[0] != w.W_COUNT]  # the count is lost
+        for frame in release:
+            p.port.on_frame(frame)
+        acct = p.sched.accounting
+        assert acct.in_flight == 1 and p.sched.held == 0
+        p.port.lost()
+        assert acct.terminal["completed"] == 1 and acct.in_flight == 0 and acct.balanced()
+        assert p.port.calls == {}
+
+    in_loop(body)
+
+
 class FakeTransport:
     def __init__(self) -> None:
         self.reading = True

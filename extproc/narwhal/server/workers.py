@@ -198,6 +198,9 @@ class WorkerPort:
         self.runtime = runtime
         self.index = index
         self.calls: dict[int, RemoteCall] = {}
+        # Released by their worker, their terminal count not yet received (a worker that
+        # dies between the two frames must not leave them uncounted).
+        self.released: set[int] = set()
         self.link = Link(self.on_frame, self.lost)
         self.hello = asyncio.get_running_loop().create_future()
         self.ready: str | None = "starting"
@@ -239,7 +242,9 @@ class WorkerPort:
             control.first_token(ex, f[2])
         elif kind == W_RELEASE:
             ex.ended_elsewhere(f[2], Outcome(f[3], f[4], f[5], f[6]))
+            self.released.add(f[1])
         elif kind in (W_COUNT, W_CLOSED):  # the worker is done with it
+            self.released.discard(f[1])
             if kind == W_COUNT:
                 control.count(ex, f[2])
             else:
@@ -260,8 +265,12 @@ class WorkerPort:
     def lost(self) -> None:
         """The worker is gone, and Envoy's streams with it: close them here."""
         calls, self.calls = self.calls, {}
-        for call in calls.values():
+        for sid, call in calls.items():
+            ex = call.driver.ex
+            if sid in self.released and ex.terminal is not None:
+                self.runtime.router.control.count(ex, ex.terminal)  # as it was released
             call.on_cancel()
+        self.released.clear()
         self.runtime.drain()
 
 
