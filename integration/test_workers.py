@@ -91,6 +91,9 @@ def test_a_worker_that_dies_is_started_again_and_its_requests_end(two_workers):
     assert "cut" in outcomes  # the dead worker's clients saw their streams end
     st = wait_for(lambda: (s := status(two_workers))["workers"][0]["restarts"] == 1
                   and s["workers"][0]["up"] and s["workers"][0]["pid"] != old["pid"] and s)
+    metrics = httpx.get(f"{two_workers.admin_url}/metrics", timeout=5).text
+    assert 'narwhal_worker_restarts_total{worker="0"} 1.0' in metrics
+    assert 'narwhal_worker_up{worker="1"} 1.0' in metrics
     st = settled(two_workers)
     req = st["requests"]
     assert req["held"] == 0 and req["queued"] == 0 and st["engines"][0]["in_flight"] == 0

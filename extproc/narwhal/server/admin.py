@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from .. import __version__
 from ..config import ConfigError, Telemetry
 from ..core.router import Router
-from .metrics import RouterCollector
+from .metrics import RouterCollector, WorkersCollector
 
 
 def _json(data: object, status: int = 200) -> web.Response:
@@ -81,6 +81,8 @@ def admin_app(router: Router, token: str | None = None,
     """``workers``: the worker processes' state for /status (``serving.workers``)."""
     registry = CollectorRegistry()
     registry.register(RouterCollector(router))
+    if workers is not None:
+        registry.register(WorkersCollector(workers))
 
     async def ready(request: web.Request) -> web.Response:
         reason = router.not_ready_reason()

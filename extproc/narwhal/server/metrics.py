@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -95,3 +96,29 @@ class RouterCollector(Collector):
                                 value=len(self.router.scheduler.queue))
         yield GaugeMetricFamily("narwhal_requests_held", "Requests inside the retention limit",
                                 value=self.router.held)
+
+
+# Per worker process (serving.workers), from the /status rows Workers.status() makes.
+WORKER_SERIES = (
+    (GaugeMetricFamily, "narwhal_worker_up", "1 while the worker process's link is open",
+     lambda w: float(w["up"])),
+    (CounterMetricFamily, "narwhal_worker_restarts", "Times the worker process was started again",
+     lambda w: w["restarts"]),
+    (CounterMetricFamily, "narwhal_worker_streams", "ext_proc streams the worker forwarded",
+     lambda w: w["streams"]),
+    (CounterMetricFamily, "narwhal_worker_handoffs", "Exchanges the worker took over",
+     lambda w: w["handoffs"]),
+)
+
+
+class WorkersCollector(Collector):
+    def __init__(self, status: Callable[[], list[dict[str, Any]]]) -> None:
+        self.status = status
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self.status()
+        for family, name, doc, value in WORKER_SERIES:
+            metric = family(name, doc, labels=["worker"])
+            for w in rows:
+                metric.add_metric([str(w["index"])], value(w))
+            yield metric
