@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +113,15 @@ def _pair(server: VllmServer, **extra: dict) -> Iterator[Pair]:
 @pytest.fixture(scope="session")
 def tools_pair(vllm_servers) -> Iterator[Pair]:
     yield from _pair(vllm_servers["tools"])
+
+
+@pytest.fixture(scope="session")
+def workers_pair(vllm_servers) -> Iterator[Pair]:
+    """The tools server behind Narwhal with serving.workers: 2 (the response phase runs in
+    worker processes; tokens are counted on the scheduler from their reports)."""
+    sock = str(Path(tempfile.mkdtemp(prefix="nw-")) / "x.sock")
+    yield from _pair(vllm_servers["tools"],
+                     serving={"model": SERVED_MODEL, "workers": 2, "extproc_socket": sock})
 
 
 @pytest.fixture(scope="session")

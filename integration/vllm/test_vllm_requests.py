@@ -11,7 +11,7 @@ with itself; and Narwhal's measured output tokens (``/status``) equal vLLM's
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import openai
@@ -114,6 +114,12 @@ CASES = _matrix() + [
 ]
 
 
+# A cross-section of the cases again through two worker processes (serving.workers).
+WORKER_CASES = [replace(c, id=f"workers-{c.id}", variant="workers") for c in CASES
+                if c.id in ("chat-logprobs", "text-echo-ids", "chat-long",
+                            "tools-required-parallel", "tools-required-ids")]
+
+
 def _pair(request, case: Case) -> Pair:
     return request.getfixturevalue(f"{case.variant}_pair")
 
@@ -143,7 +149,7 @@ def _reference_tokens(pair: Pair, case: Case) -> int:
     return usage["completion_tokens"]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CASES + WORKER_CASES, ids=lambda c: c.id)
 def test_stream_equals_vllm_and_tokens_counted(request, case: Case):
     pair = _pair(request, case)
     body = _body(case, True)
@@ -166,7 +172,7 @@ def test_stream_equals_vllm_and_tokens_counted(request, case: Case):
     assert counted == _reference_tokens(pair, case)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CASES + WORKER_CASES, ids=lambda c: c.id)
 def test_assembled_equals_vllm(request, case: Case):
     pair = _pair(request, case)
     body = _body(case, False)
