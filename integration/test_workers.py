@@ -14,9 +14,10 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from narwhal.launch import SimSpec
+from narwhal.launch import SimSpec, free_port
 
 from .conftest import MODEL, _stack, client_for, status, unix_socket, wait_for
 
@@ -123,3 +124,18 @@ def test_each_worker_answers_grpc_health_with_the_schedulers_readiness(two_worke
             with pytest.raises(grpc.RpcError) as err:
                 stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_worker_that_cannot_start_fails_start_up_with_its_reason(tmp_path):
+    sock = unix_socket()
+    Path(f"{sock}.0").write_text("not a socket")  # worker 0 must not bind over a file
+    cfg = tmp_path / "narwhal.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "serving": {"workers": 2, "extproc_socket": sock, "extproc_port": free_port()},
+        "telemetry": {"admin_port": free_port()},
+        "engines": [{"name": "e", "url": "http://127.0.0.1:9"}]}))
+    run = subprocess.run([sys.executable, "-m", "narwhal", "serve", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0
+    assert "worker 0 exited before it was ready" in run.stderr
+    assert f"{sock}.0 exists and is not a socket" in run.stderr  # the worker's own words

@@ -46,7 +46,7 @@ from typing import Any
 import msgspec
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from ..config import Config, EngineConfig
+from ..config import Config, ConfigError, EngineConfig
 from ..core.control import Control, Outcome
 from ..core.engines import EngineState
 from ..core.exchange import Action, Exchange, Phase
@@ -284,6 +284,7 @@ class Workers:
         self.ports: list[WorkerPort | None] = [None] * self.n
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * self.n
         self.stopping = False
+        self.started = False  # every worker said hello once
         self.restarts = [0] * self.n
         runtime.router.listeners.append(self._push_ready)
 
@@ -293,6 +294,7 @@ class Workers:
         for port in self.ports:
             assert port is not None
             await asyncio.wait_for(asyncio.shield(port.hello), HELLO_TIMEOUT_S)
+        self.started = True
         self._push_ready()
 
     async def _spawn(self, i: int) -> None:
@@ -312,13 +314,22 @@ class Workers:
         WorkerPort.lost(port)
         if self.stopping:
             return
-        log.error("worker %d exited; starting it again", port.index)
-        self.restarts[port.index] += 1
         proc = self.procs[port.index]
-        if proc is not None:
-            with contextlib.suppress(Exception):
+        code = None
+        if proc is not None:  # its link is gone: it is exiting (let it say why) or hung
+            try:
+                code = proc.wait(1)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(5)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = proc.wait(5)
+        if not self.started:  # it never came up: starting it again would not help
+            port.hello.set_exception(ConfigError(
+                f"serving.workers: worker {port.index} exited before it was ready (exit "
+                f"status {code}); its error is in the log above"))
+            return
+        log.error("worker %d exited (status %s); starting it again", port.index, code)
+        self.restarts[port.index] += 1
         loop = asyncio.get_running_loop()
         loop.call_later(RESTART_DELAY_S,
                         lambda: asyncio.ensure_future(self._spawn(port.index)))
