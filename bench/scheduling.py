@@ -14,9 +14,10 @@ scaled by the conversation's application) under ``max_tokens`` 1024.
 
 Policies: Narwhal predictive (model seeds at their defaults), Narwhal open, each also with
 the prefix index off (``-noprefix``: the open pair compares placement alone, nothing
-refused), predictive with the prefix-affinity scorer, Envoy round robin, and
-`vllm-router` (PyPI) `power_of_two` and `cache_aware`. Per policy and load:
-goodput (completed requests per second within the TTFT budget), % of admitted within
+refused), predictive with the prefix-affinity scorer, predictive on two worker processes
+(``predictive-workers2``: the same decisions, served by ``serving.workers: 2``), Envoy
+round robin, and `vllm-router` (PyPI) `power_of_two` and `cache_aware`. Per policy and
+load: goodput (completed requests per second within the TTFT budget), % of admitted within
 budget, TTFT and TPOT p50/p99, refusal rate, Narwhal's TTFT prediction error p50/p90 and
 MAPE (header x-narwhal-predicted-ttft-ms against the client's measurement) and its output
 length error (x-narwhal-predicted-output-tokens). ``--drift`` adds a run in which the
@@ -52,7 +53,7 @@ MAX_TOKENS = 1024
 WORDS = ("narwhal tusk ocean arctic ice whale pod swim deep cold water light wave router "
          "engine token prefill decode budget queue admit place stream chunk").split()
 POLICIES = ("predictive", "open", "predictive-noprefix", "open-noprefix", "predictive-affinity",
-            "round-robin", "vllm-router-p2", "vllm-router-cache")
+            "predictive-workers2", "round-robin", "vllm-router-p2", "vllm-router-cache")
 
 
 def text(rng: random.Random, tokens: int) -> str:
@@ -243,12 +244,17 @@ def sims(scale: float) -> list[SimSpec]:
 NARWHAL = {"predictive": ("predictive", {}), "open": ("open", {}),
            "predictive-noprefix": ("predictive", {"prefix_index_blocks": 0}),
            "open-noprefix": ("open", {"prefix_index_blocks": 0}),
+           "predictive-workers2": ("predictive", {}),
            "predictive-affinity": ("predictive", {"scorers": {"ttft": 1.0,
                                                               "prefix-affinity": 0.5}})}
 
 
+# Narwhal's variants that change how it is served, not how it schedules.
+SERVING = {"predictive-workers2": {"workers": 2}}
+
+
 def narwhal_stack(pool: Stack, mode: str, budget_ms: int,
-                  scheduler: dict | None = None) -> Stack:
+                  scheduler: dict | None = None, serving: dict | None = None) -> Stack:
     engines = [{"name": s.name, "url": f"http://127.0.0.1:{s.port}", "dialect": "vllm"}
                for s in pool.sims]
     config = {"admission": {"mode": mode, "ttft_target_ms": budget_ms, "queue_limit": 1024,
@@ -257,6 +263,9 @@ def narwhal_stack(pool: Stack, mode: str, budget_ms: int,
               "scheduler": {"max_prefill_per_engine": 256, "max_decode_per_engine": 256,
                             **(scheduler or {})},
               "engines": engines}
+    if serving:
+        config["serving"] = {"extproc_socket": str(Path(tempfile.mkdtemp(prefix="nw-"))
+                                                   / "x.sock"), **serving}
     return Stack(sims=[], config=config, model=MODEL).start()
 
 
@@ -321,7 +330,8 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace,
         stack, scheduler = None, {}
         if policy in NARWHAL:
             mode, scheduler = NARWHAL[policy]
-            stack = narwhal_stack(pool, mode, round(budget_s * 1000), scheduler)
+            stack = narwhal_stack(pool, mode, round(budget_s * 1000), scheduler,
+                                  SERVING.get(policy))
             url, stop = f"{stack.url}/v1/chat/completions", stack.stop
         elif policy == "round-robin":
             envoy, port = plain_envoy(REPO_ROOT / "bench" / "envoy-roundrobin.yaml", workdir,
