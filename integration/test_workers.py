@@ -92,6 +92,11 @@ def test_a_worker_that_dies_is_started_again_and_its_requests_end(two_workers):
     assert "cut" in outcomes  # the dead worker's clients saw their streams end
     st = wait_for(lambda: (s := status(two_workers))["workers"][0]["restarts"] == 1
                   and s["workers"][0]["up"] and s["workers"][0]["pid"] != old["pid"] and s)
+    sock = two_workers.config["serving"]["extproc_socket"]
+    with grpc.insecure_channel(f"unix:{sock}.0") as channel:  # ready as soon as it is up
+        resp = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
     metrics = httpx.get(f"{two_workers.admin_url}/metrics", timeout=5).text
     assert 'narwhal_worker_restarts_total{worker="0"} 1.0' in metrics
     assert 'narwhal_worker_up{worker="1"} 1.0' in metrics

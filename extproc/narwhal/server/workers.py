@@ -224,6 +224,7 @@ class WorkerPort:
             return
         if kind == W_HELLO:
             self.pid = f[1]
+            self.push_ready(self.runtime.router.not_ready_reason())  # a restart's too
             if not self.hello.done():
                 self.hello.set_result(None)
             return
@@ -295,7 +296,6 @@ class Workers:
             assert port is not None
             await asyncio.wait_for(asyncio.shield(port.hello), HELLO_TIMEOUT_S)
         self.started = True
-        self._push_ready()
 
     async def _spawn(self, i: int) -> None:
         ours, theirs = socket.socketpair()
