@@ -35,6 +35,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,6 +103,7 @@ class Result:
     predicted_tokens: int | None = None
     engine: str = ""
     end: float | None = None
+    refusal: str = ""  # a refused request's error code and message
 
 
 async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: int) -> Result:
@@ -120,7 +122,12 @@ async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: in
             result.predicted_tokens = int(tokens) if tokens else None
             result.engine = resp.headers.get("x-sim-engine", "")
             if resp.status != 200:
-                await resp.read()
+                body = await resp.read()
+                try:
+                    error = orjson.loads(body)["error"]
+                    result.refusal = f"{error['code']}: {error['message']}"
+                except (orjson.JSONDecodeError, KeyError, TypeError):
+                    pass
                 return result
             first = last = None
             reply: list[str] = []
@@ -175,6 +182,33 @@ async def drive(url: str, rate: float, duration: float, seed: int,
             i += 1
         done = await asyncio.gather(*tasks)
         return [r for r in done if isinstance(r, Result)]
+
+
+def dump(results: list[Result], path: Path) -> None:
+    """Per-request samples of a cell, one JSON object a line, for analysis."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"".join(orjson.dumps(r.__dict__) + b"\n" for r in results))
+
+
+class StatusTrace:
+    """Narwhal's /status twice a second through a cell, for analysis (``--samples``)."""
+
+    def __init__(self, stack: Stack, path: Path) -> None:
+        self.stack, self.path = stack, path
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("wb") as out, httpx.Client(timeout=5) as client:
+            while not self.done.wait(0.5):
+                status = client.get(f"{self.stack.admin_url}/status").json()
+                out.write(orjson.dumps({"t": time.monotonic(), **status}) + b"\n")
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -346,8 +380,14 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace,
                 rate = load * capacity_rps(args.time_scale)
                 before = cache_counters(pool)
                 index0 = index_counters(stack) if stack is not None else {}
+                watch = (StatusTrace(stack, Path(args.samples) / f"{policy}-{load:g}.status.jsonl")
+                         if args.samples and stack is not None else None)
                 results = asyncio.run(drive(url, rate, args.duration, args.seed))
+                if watch is not None:
+                    watch.stop()
                 row = summarize(results, args.duration, budget_s, args.time_scale)
+                if args.samples:
+                    dump(results, Path(args.samples) / f"{policy}-{load:g}.jsonl")
                 after = cache_counters(pool)
                 queries = sum(a[0] - before[n][0] for n, a in after.items())
                 hits = sum(a[1] - before[n][1] for n, a in after.items())
@@ -454,6 +494,8 @@ def main() -> int:
     parser.add_argument("--drift", action="store_true", help="add the drift scenario")
     parser.add_argument("--plot", default="bench-scheduling.png", help="PNG to write ('' none)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--samples", default="",
+                        help="a folder for each cell's per-request samples (JSON lines)")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure the pool's saturated throughput and exit")
     args = parser.parse_args()

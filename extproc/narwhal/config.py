@@ -175,7 +175,7 @@ class Telemetry:
     profile_timeout_ms: int = 60_000
     # Mean signed relative TTFT error past which an engine's model is found drifted: it is
     # re-learned and (when another engine can serve) profiled again. 0: never.
-    drift_threshold: float = 0.25
+    drift_threshold: float = 0.4
     # An engine with KV events that has not published for this long after a dispatch is
     # matched by the approximate prefix index again until its events resume.
     kv_events_stale_ms: int = 5000

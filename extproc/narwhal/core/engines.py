@@ -3,10 +3,10 @@ work Narwhal has dispatched to it, and its performance model (``perf.py``)."""
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import EngineConfig
+from .calibration import Calibration
 from .kv_events import KvBlocks
 from .perf import PerfModel
 from .prefix import PrefixIndex
@@ -41,10 +41,10 @@ class EngineState:
     # over any window, comparable with the engine's own prefix-cache counters.
     index_tokens: float = 0.0
     index_cached_tokens: float = 0.0
-    # Admission margin for this engine: the p99 of recent measured/predicted TTFT ratios
-    # (learning.py). Per engine: one engine's model error must not widen every margin.
-    calibration: float = 1.0
-    ratios: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    # Admission margin for this engine: recent measured/predicted TTFT ratios by size of
+    # the projection (calibration.py). Per engine: one engine's model error must not
+    # widen every margin.
+    calibration: Calibration = field(default_factory=Calibration)
     completed: int = 0
     output_tokens: int = 0
     measurement_failures: int = 0

@@ -5,7 +5,7 @@ change.
 * decode correction: the engine's TTFT and TPOT models (``perf.py``) learn from each;
 * drift scoring: when an engine's TTFT errors run one way its model is reopened and,
   with profiling on, the engine is measured again before it takes new work;
-* admission calibration per engine: the p99 of its recent measured/predicted TTFT ratios;
+* admission calibration per engine: its measured/predicted TTFT ratios by size of projection;
 * output-length learning (``outputs.py``).
 """
 
@@ -25,8 +25,6 @@ if TYPE_CHECKING:
     from .scheduler import Ticket
 
 ERROR_WINDOW = 2048  # prediction errors kept for /status
-CALIBRATION_QUANTILE = 0.99  # the promise is kept for 99% of admitted requests
-CALIBRATION_MAX = 10.0
 
 
 class Learning:
@@ -53,15 +51,11 @@ class Learning:
         measured = now - t.arrival
         if measured > 0:
             self.errors.append(abs(t.predicted_ttft_s - measured) / measured)
-        if t.predicted_ttft_s > 0.01:
+        if t.predicted_ttft_s > 0.001:
             # Admission compares the budget with projection x the engine's calibration, so
             # that requests admitted close to the budget still meet it when the model is a
             # little optimistic about that engine.
-            e.ratios.append(measured / t.predicted_ttft_s)
-            if len(e.ratios) % 4 == 0 or len(e.ratios) == e.ratios.maxlen:
-                xs = sorted(e.ratios)
-                q = xs[min(len(xs) - 1, int(CALIBRATION_QUANTILE * len(xs)))]
-                e.calibration = min(CALIBRATION_MAX, max(1.0, q))
+            e.calibration.observe(t.predicted_ttft_s, measured)
 
     def completed(self, t: Ticket, output_tokens: int, last_token_at: float) -> None:
         """A completion with identified output: its mean time per output token (one

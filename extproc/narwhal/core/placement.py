@@ -32,7 +32,7 @@ class Candidate:
     @property
     def ttft_margin_s(self) -> float:
         """The projection with the engine's admission margin: what is promised."""
-        return self.ttft_s * self.engine.calibration
+        return self.ttft_s * self.engine.calibration.factor(self.ttft_s)
 
 
 def cached_fraction(e: EngineState, t: Ticket, now: float | None = None) -> float | None:

@@ -1,0 +1,81 @@
+"""Admission's margin per engine: how far measured TTFT runs over the projection, by the
+size of the projection.
+
+Why by size. A projection is wrong in two ways at once: by a share (the model's slope
+is a little off) and by a step or two (a request arriving mid-step waits out the step;
+its prefill lands in whichever step has room). For a short projection the second
+dominates: 50 ms projected and 120 ms measured is a ratio of 2.4, harmless against a
+1 s budget. One p99 ratio over all requests is then set by the shortest ones, and every
+request projected at a third of the budget or more is refused, on an engine that would
+have served it in time (measured: ~35% refused at 1.0x load against a pool that a
+router without admission serves 98% in budget). So the ratios are kept per octave of
+the projection, and a request is judged by the p99 of its own octave, where the margin
+that matters (projections near the budget) is learned from requests like it.
+
+An octave with too few samples borrows the nearest shorter octave that has them (its
+ratios run higher: the borrowed margin errs on the safe side), else every sample
+together, else 1.0 (the model's own projection, as before any measurement).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+QUANTILE = 0.99  # the promise is kept for 99% of admitted requests
+MAX_FACTOR = 10.0
+WINDOW = 128  # ratios kept per octave
+MIN_SAMPLES = 16  # before an octave's own margin is used
+LOWEST = -10  # octave of 2**-10 s (~1 ms) and below
+OCTAVES = 20  # up to 2**9 s (~8.5 min) and above
+
+
+def _octave(predicted_s: float) -> int:
+    if predicted_s <= 0:
+        return 0
+    return min(OCTAVES - 1, max(0, math.floor(math.log2(predicted_s)) - LOWEST))
+
+
+def _quantile(xs: deque[float]) -> float:
+    s = sorted(xs)
+    return min(MAX_FACTOR, max(1.0, s[min(len(s) - 1, int(QUANTILE * len(s)))]))
+
+
+class Calibration:
+    """Measured/predicted TTFT ratios of one engine, by octave of the prediction."""
+
+    __slots__ = ("_ratios", "_factors", "_all", "overall")
+
+    def __init__(self) -> None:
+        self._ratios: list[deque[float]] = [deque(maxlen=WINDOW) for _ in range(OCTAVES)]
+        self._factors: list[float | None] = [None] * OCTAVES  # own p99 once MIN_SAMPLES
+        self._all: deque[float] = deque(maxlen=2 * WINDOW)
+        self.overall = 1.0  # the p99 over every recent sample (the fallback; /status)
+
+    def observe(self, predicted_s: float, measured_s: float) -> None:
+        ratio = measured_s / predicted_s
+        i = _octave(predicted_s)
+        xs = self._ratios[i]
+        xs.append(ratio)
+        self._all.append(ratio)
+        # Sorting is per sample of the engine, not per decision: every fourth one.
+        if len(xs) >= MIN_SAMPLES and (len(xs) % 4 == 0 or len(xs) == WINDOW):
+            self._factors[i] = _quantile(xs)
+        if len(self._all) % 4 == 0 or len(self._all) == self._all.maxlen:
+            self.overall = _quantile(self._all)
+
+    def factor(self, predicted_s: float) -> float:
+        """The margin for a projection of ``predicted_s``: its octave's p99 ratio, or the
+        nearest shorter octave's, or the overall one."""
+        for i in range(_octave(predicted_s), -1, -1):
+            f = self._factors[i]
+            if f is not None:
+                return f
+        return self.overall
+
+    def octaves(self) -> list[dict[str, float | int | None]]:
+        """For /status: each octave with samples, its upper bound, factor and count."""
+        return [{"upto_ms": round(2.0 ** (i + LOWEST + 1) * 1000, 3),
+                 "factor": round(f, 4) if (f := self._factors[i]) is not None else None,
+                 "samples": len(xs)}
+                for i, xs in enumerate(self._ratios) if xs]
