@@ -64,3 +64,16 @@ def test_the_prefix_index_is_bounded_by_the_engines_reported_cache(decoders):
     assert small["kv_capacity_tokens"] == 16 * 1000 and large["kv_capacity_tokens"] == 16 * 65536
     # 16000 tokens hold a few hundred 64-byte prompt blocks, not the configured 65536.
     assert 100 < small["prefix_index_capacity"] < 65536 == large["prefix_index_capacity"]
+
+
+def test_admission_margins_are_learned_per_size_of_projection(decoders):
+    """Each first token of an admitted request is one ratio in the octave of its
+    projection; /status shows them."""
+    quick = wait_engine(decoders, "quick", lambda e: e["profiled"])
+    seen = sum(o["samples"] for o in quick["calibration_octaves"])
+    for _ in range(4):
+        assert chat(decoders, {"x-slo-tpot-ms": "30"}, max_tokens=2).status_code == 200
+    after = engine(decoders, "quick")
+    assert sum(o["samples"] for o in after["calibration_octaves"]) == seen + 4
+    assert all(o["upto_ms"] > 0 for o in after["calibration_octaves"])
+    assert after["calibration"] >= 1.0

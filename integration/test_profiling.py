@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from narwhal.launch import SimSpec, Stack
+from narwhal.server.telemetry import parse_vllm_metrics
 
 from .conftest import MODEL, _stack
 
@@ -105,5 +106,26 @@ def test_a_slowed_engine_is_detected_and_profiled_again():
                 assert sent < 10, "drift not detected"
         again = wait_engine(stack, "drifty", lambda e: e["profiles"] == 2 and e["profiled"])
         assert again["eligible"]
+    finally:
+        stack.stop()
+
+
+def test_the_probes_outputs_decode_together():
+    """Each probe is sent at the previous one's first token: their prefills never overlap,
+    their outputs do (a re-profile of a loaded engine takes one output's time, not five)."""
+    stack = Stack(sims=[SimSpec("slowdecode", args=["--tpot-ms", "150"])], model=MODEL,
+                  wait_ready=False)
+    stack.start()
+    try:
+        most = 0
+        with httpx.Client(timeout=5) as c:
+            while not engine(stack, "slowdecode")["profiled"]:
+                values = parse_vllm_metrics(
+                    c.get(f"http://127.0.0.1:{stack.sims[0].port}/metrics").text)
+                most = max(most, values.get("running", 0.0))
+                time.sleep(0.02)
+        assert most >= 2
+        e = engine(stack, "slowdecode")
+        assert e["profiles"] == 1 and e["model_samples"] == 5
     finally:
         stack.stop()

@@ -11,7 +11,7 @@ import aiohttp
 
 from ..core.engines import EngineState
 from ..core.meter import EngineOutputError
-from ..core.profiling import ProbeRun, Profiler
+from ..core.profiling import Measurement, Probe, ProbeRun, Profiler
 from ..core.router import Router
 
 log = logging.getLogger("narwhal.profiling")
@@ -19,20 +19,32 @@ log = logging.getLogger("narwhal.profiling")
 
 async def profile_engine(router: Router, engine: EngineState, profiler: Profiler,
                          session: aiohttp.ClientSession) -> None:
+    """The probes one after another, each sent once the previous one's first token came:
+    prefills never overlap (each TTFT is one probe's, with the earlier probes decoding
+    counted as the decodes they are), while the probes' outputs decode together. Sent
+    strictly in turn, a re-profile of a loaded engine (drift) kept it out of placement
+    for five full outputs at its loaded TPOT."""
     clock = router.clock
     url = engine.config.url.rstrip("/") + "/v1/chat/completions"
     timeout = aiohttp.ClientTimeout(total=profiler.timeout_s)
+    tasks: list[asyncio.Task[tuple[Measurement, float, int]]] = []
     try:
-        for probe in profiler.probes(await _max_model_len(engine, session, timeout)):
-            ahead, decodes = engine.prefill_work, engine.decode
-            run = ProbeRun(clock(), engine.token_ids, router.config.serving.max_event_bytes)
-            async with session.post(url, data=probe.body, timeout=timeout,
-                                    headers={"content-type": "application/json"}) as resp:
-                if resp.status != 200:
-                    raise EngineOutputError(f"profile request answered HTTP {resp.status}")
-                async for chunk in resp.content.iter_any():
-                    run.feed(clock(), chunk)
-            router.learning.probe(engine, run.finish(probe.tokens), ahead, decodes)
+        probes = profiler.probes(await _max_model_len(engine, session, timeout))
+        for probe in probes:
+            decoding = sum(1 for t in tasks if not t.done())
+            first = asyncio.Event()
+            task = asyncio.create_task(_probe(router, engine, session, url, timeout, probe,
+                                              decoding, first))
+            tasks.append(task)
+            waiter = asyncio.create_task(first.wait())
+            try:
+                await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+            if task.done():
+                task.result()  # a probe that failed before its first token
+        for m, ahead, decodes in await asyncio.gather(*tasks):
+            router.learning.probe(engine, m, ahead, decodes)
     except (EngineOutputError, TimeoutError, aiohttp.ClientError, OSError) as exc:
         reason = str(exc) or type(exc).__name__
         profiler.failed(engine, reason, clock())
@@ -44,7 +56,29 @@ async def profile_engine(router: Router, engine: EngineState, profiler: Profiler
         profiler.succeeded(engine, clock())
         log.info("engine %s profiled: %.0f prompt tokens/s, TPOT %.1f ms", engine.name,
                  min(engine.model.learned_prefill_tps, 1e9), engine.model.tpot_s(1) * 1000)
+    finally:
+        for t in tasks:
+            t.cancel()
     router.profiled()
+
+
+async def _probe(router: Router, engine: EngineState, session: aiohttp.ClientSession,
+                 url: str, timeout: aiohttp.ClientTimeout, probe: Probe, decoding: int,
+                 first: asyncio.Event) -> tuple[Measurement, float, int]:
+    """One probe's request and stream; ``first`` is set at its first token. Returns the
+    measurement with the model features at its start (work ahead, decodes)."""
+    clock = router.clock
+    ahead, decodes = engine.prefill_work, engine.decode + decoding
+    run = ProbeRun(clock(), engine.token_ids, router.config.serving.max_event_bytes)
+    async with session.post(url, data=probe.body, timeout=timeout,
+                            headers={"content-type": "application/json"}) as resp:
+        if resp.status != 200:
+            raise EngineOutputError(f"profile request answered HTTP {resp.status}")
+        async for chunk in resp.content.iter_any():
+            run.feed(clock(), chunk)
+            if run.first is not None:
+                first.set()
+    return run.finish(probe.tokens), ahead, decodes
 
 
 async def _max_model_len(engine: EngineState, session: aiohttp.ClientSession,

@@ -1,0 +1,67 @@
+"""Admission's margin by size of projection (core/calibration.py): short projections run
+over by a step or two (large ratios, harmless), long ones by the model's share (small
+ratios, decisive); each is judged by its own."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from narwhal.core.calibration import MIN_SAMPLES, Calibration
+from narwhal.core.placement import project
+from narwhal.core.scheduler import Dispatch, Refuse
+
+from .test_scheduler import make_router, ticket
+
+
+def learned(rng: random.Random, n: int = 200) -> Calibration:
+    """Short projections (~50 ms) measured 1-3x over, long ones (~0.6 s) 1.0-1.1x."""
+    c = Calibration()
+    for _ in range(n):
+        c.observe(0.05, 0.05 * rng.uniform(1.0, 3.0))
+        c.observe(0.6, 0.6 * rng.uniform(1.0, 1.1))
+    return c
+
+
+def test_each_size_of_projection_has_its_own_margin():
+    c = learned(random.Random(1))
+    assert 1.0 < c.factor(0.6) <= 1.1
+    assert 2.5 < c.factor(0.05) <= 3.0
+    # one p99 over every request is what the short ones run over: the old margin
+    assert c.overall > 2.5
+
+
+def test_an_octave_without_samples_borrows_the_nearest_shorter_one():
+    c = learned(random.Random(2))
+    assert c.factor(0.3) == c.factor(0.05)  # between the two: the shorter one's margin
+    assert c.factor(4.0) == c.factor(0.6)  # beyond the longest: the longest's
+    assert c.factor(0.001) == c.overall  # below every learned octave: all samples
+
+
+def test_no_margin_before_any_measurement_and_few_samples_use_every_sample():
+    c = Calibration()
+    assert c.factor(0.5) == 1.0
+    for _ in range(MIN_SAMPLES - 1):
+        c.observe(0.5, 1.0)  # 2x over, but too few for the octave's own p99
+    c.observe(0.05, 0.1)
+    assert c.factor(0.5) == pytest.approx(2.0)  # the overall p99
+    assert [o["factor"] for o in c.octaves()] == [None, None]
+
+
+def test_a_request_near_the_budget_is_admitted_when_requests_like_it_kept_it():
+    # Regression: with one p99 ratio per engine, step noise on short requests (3x)
+    # refused every request projected past a third of the budget.
+    router, clock, _ = make_router()
+    fast, slow = router.engines
+    rng = random.Random(3)
+    for e in (fast, slow):
+        e.calibration = learned(rng)
+    t = ticket(router, 2400, budget_s=1.0)
+    projected = project(fast, t).ttft_s
+    assert 0.4 < projected < 0.9
+    assert projected * fast.calibration.overall > 1.0  # the old margin refused it
+    assert isinstance(router.scheduler.admit(t, clock.t), Dispatch)
+    # and one projected past the budget with its own octave's margin is still refused
+    t2 = ticket(router, 2400, budget_s=projected * 1.05)
+    assert isinstance(router.scheduler.admit(t2, clock.t), Refuse)
