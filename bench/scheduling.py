@@ -2,7 +2,7 @@
 engines under open-loop Poisson load, Narwhal against the routers users pick today.
 
     python -m bench.scheduling [--duration S] [--loads 0.5,1,1.5,2] [--budget-ms MS]
-        [--time-scale F] [--policies ...] [--drift] [--plot FILE.png]
+        [--time-scale F] [--policies ...] [--drift] [--plot FILE.png] [--samples DIR]
 
 Engines: `narwhal sim --profile h100-llama3-8b | a100-llama3-8b | l4-llama3-8b`, all run
 ``--time-scale`` times slower than the profile so that a 2-core machine can drive them;
