@@ -32,11 +32,22 @@ def test_each_size_of_projection_has_its_own_margin():
     assert c.overall > 2.5
 
 
-def test_an_octave_without_samples_borrows_the_nearest_shorter_one():
+def test_an_octave_without_samples_borrows_a_neighbours_margin():
     c = learned(random.Random(2))
-    assert c.factor(0.3) == c.factor(0.05)  # between the two: the shorter one's margin
-    assert c.factor(4.0) == c.factor(0.6)  # beyond the longest: the longest's
-    assert c.factor(0.001) == c.overall  # below every learned octave: all samples
+    # 0.3 s: nothing within two octaves below (0.05 s is three), so the longer 0.6 s's
+    assert c.factor(0.3) == c.factor(0.6)
+    assert c.factor(0.02) == c.factor(0.05)  # below every learned octave: the nearest
+    assert c.factor(4.0) == c.overall  # 0.6 s is three octaves below 4 s: every sample
+    for _ in range(MIN_SAMPLES):
+        c.observe(0.15, 0.15 * 2.0)
+    assert c.factor(0.3) == pytest.approx(2.0)  # one octave below: borrowed, the safe side
+
+
+def test_projections_under_ten_ms_teach_nothing():
+    c = Calibration()
+    for _ in range(64):
+        c.observe(0.005, 0.025)  # the proxy's own latency over a 5 ms projection
+    assert c.octaves() == [] and c.factor(0.6) == 1.0
 
 
 def test_no_margin_before_any_measurement_and_few_samples_use_every_sample():

@@ -12,9 +12,12 @@ router without admission serves 98% in budget). So the ratios are kept per octav
 the projection, and a request is judged by the p99 of its own octave, where the margin
 that matters (projections near the budget) is learned from requests like it.
 
-An octave with too few samples borrows the nearest shorter octave that has them (its
-ratios run higher: the borrowed margin errs on the safe side), else every sample
-together, else 1.0 (the model's own projection, as before any measurement).
+An octave with too few samples borrows a neighbour's margin: the nearest of the two
+shorter octaves that has one (its ratios run higher: the borrowed margin errs on the
+safe side), else the nearest longer one, else the p99 of every sample together, else
+1.0 (the model's own projection, as before any measurement). Not from further below: a
+5 ms projection measured at 25 ms (the proxy's own latency) says nothing of a 0.6 s one.
+Projections under 10 ms are not learned from at all, for the same reason.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ WINDOW = 128  # ratios kept per octave
 MIN_SAMPLES = 16  # before an octave's own margin is used
 LOWEST = -10  # octave of 2**-10 s (~1 ms) and below
 OCTAVES = 20  # up to 2**9 s (~8.5 min) and above
+BORROW_BELOW = 2  # octaves below whose margin an octave without its own may borrow
+MIN_PREDICTED_S = 0.01  # shorter projections are the proxy's latency, not the engine's
 
 
 def _octave(predicted_s: float) -> int:
@@ -53,6 +58,8 @@ class Calibration:
         self.overall = 1.0  # the p99 over every recent sample (the fallback; /status)
 
     def observe(self, predicted_s: float, measured_s: float) -> None:
+        if predicted_s < MIN_PREDICTED_S:
+            return
         ratio = measured_s / predicted_s
         i = _octave(predicted_s)
         xs = self._ratios[i]
@@ -65,9 +72,14 @@ class Calibration:
             self.overall = _quantile(self._all)
 
     def factor(self, predicted_s: float) -> float:
-        """The margin for a projection of ``predicted_s``: its octave's p99 ratio, or the
-        nearest shorter octave's, or the overall one."""
-        for i in range(_octave(predicted_s), -1, -1):
+        """The margin for a projection of ``predicted_s``: its octave's p99 ratio, or a
+        neighbour's (two shorter, then longer ones), or the overall one."""
+        own = _octave(predicted_s)
+        for i in range(own, max(-1, own - BORROW_BELOW - 1), -1):
+            f = self._factors[i]
+            if f is not None:
+                return f
+        for i in range(own + 1, OCTAVES):
             f = self._factors[i]
             if f is not None:
                 return f

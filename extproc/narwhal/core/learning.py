@@ -51,7 +51,7 @@ class Learning:
         measured = now - t.arrival
         if measured > 0:
             self.errors.append(abs(t.predicted_ttft_s - measured) / measured)
-        if t.predicted_ttft_s > 0.001:
+        if t.predicted_ttft_s > 0:
             # Admission compares the budget with projection x the engine's calibration, so
             # that requests admitted close to the budget still meet it when the model is a
             # little optimistic about that engine.
