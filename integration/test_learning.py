@@ -68,11 +68,14 @@ def test_the_prefix_index_is_bounded_by_the_engines_reported_cache(decoders):
 
 def test_admission_margins_are_learned_per_size_of_projection(decoders):
     """Each first token of an admitted request is one ratio in the octave of its
-    projection; /status shows them."""
+    projection (long prompts: projections under 10 ms teach nothing); /status shows them."""
     quick = wait_engine(decoders, "quick", lambda e: e["profiled"])
     seen = sum(o["samples"] for o in quick["calibration_octaves"])
-    for _ in range(4):
-        assert chat(decoders, {"x-slo-tpot-ms": "30"}, max_tokens=2).status_code == 200
+    for i in range(4):
+        long = f"{i} You are terse. " + "narwhal tusk ocean " * 1500
+        resp = chat(decoders, {"x-slo-tpot-ms": "30"}, system=long, max_tokens=2)
+        assert resp.status_code == 200
+        assert int(resp.headers["x-narwhal-predicted-ttft-ms"]) >= 10
     after = engine(decoders, "quick")
     assert sum(o["samples"] for o in after["calibration_octaves"]) == seen + 4
     assert all(o["upto_ms"] > 0 for o in after["calibration_octaves"])
