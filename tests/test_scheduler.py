@@ -408,3 +408,32 @@ def test_requests_ahead_in_prefill_count_as_the_decodes_they_become():
     fast.prefill = 5
     assert project(fast, t).ttft_s > before
     assert router.scheduler.admit(ticket(router, 10), clock.t).engine is not None
+
+
+def test_a_queue_draining_slowly_is_charged_at_its_measured_rate():
+    # One prefill slot per engine and prompts the engines prefill in milliseconds: at
+    # prefill speed the queue costs nothing, but it drains one request per 0.5 s (each
+    # slot frees at a first token). A request behind four queued ones waits ~2 s: over a
+    # 1 s budget, refused; the old projection (queued work at prefill speed) admitted it.
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1})
+    s = router.scheduler
+    running = [ticket(router, 10, budget_s=60) for _ in range(2)]
+    for t in running:
+        assert isinstance(s.admit(t, clock.t), Dispatch)
+    queued = [ticket(router, 10, budget_s=60) for _ in range(14)]
+    for t in queued:
+        assert isinstance(s.admit(t, clock.t), Queued)
+    assert s.queue_wait_s(clock.t) == 0.0  # no rate measured yet
+    for _ in range(10):  # the queue drains at one request per 0.5 s
+        clock.t += 0.5
+        t = running.pop(0)
+        s.first_token(t, clock.t)
+        running += s.pump(clock.t)
+    assert len(s.queue) == 4
+    assert s.queue_wait_s(clock.t) == pytest.approx(2.0)
+    late = ticket(router, 10, budget_s=1.0)
+    decision = s.admit(late, clock.t)
+    assert isinstance(decision, Refuse) and decision.error.code == "ttft_budget_exceeded"
+    patient = ticket(router, 10, budget_s=5.0)
+    assert isinstance(s.admit(patient, clock.t), Queued)
+    assert patient.predicted_ttft_s >= 2.0  # the queue's wait, then its own projection

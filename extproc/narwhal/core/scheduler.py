@@ -59,6 +59,10 @@ class Ticket:
     failover: bool = False  # served by a fallback: its TTFT is no sample of either engine
 
 
+DRAIN_WINDOW = 64  # dispatches from the queue that set its measured drain rate
+DRAIN_MIN = 8  # before the rate is trusted
+
+
 class Decision:
     __slots__ = ()
 
@@ -88,6 +92,10 @@ class Scheduler:
         self.tokenizer: Any = None  # sizing.tokenizer's, for the prefix index (router sets)
         self.prompt_ids: PromptIds | None = None  # with KV events: exact prompt IDs
         self.queued_tokens = 0
+        # When recent requests left the queue: its measured drain rate. Charging the
+        # queue at prefill speed alone misses the engines' own limits (a full decode
+        # batch drains the queue only as decodes finish).
+        self.drained: deque[float] = deque(maxlen=DRAIN_WINDOW)
 
     # -- admission -----------------------------------------------------------------
     def annotate(self, t: Ticket, chat: bool, body: dict[str, Any],
@@ -127,13 +135,14 @@ class Scheduler:
                 return Refuse(errors.tpot_over_budget(min(c.tpot_s for c in cands),
                                                       t.tpot_budget_s))
             cands = fit
-        projected = min(c.ttft_s for c in cands)
+        waiting = self.queue_wait_s(now)
+        projected = min(c.ttft_s for c in cands) + waiting
         t.predicted_ttft_s = projected
         if predictive:
             alone = min(c.engine.model.ttft_s(c.work, 0) for c in cands)
             if alone > t.budget_s:
                 return Refuse(errors.prompt_too_long(alone, t.budget_s))
-            calibrated = min(c.ttft_margin_s for c in cands)
+            calibrated = min(c.ttft_margin_s for c in cands) + waiting
             if calibrated > t.budget_s:
                 return Refuse(errors.projected_over_budget(calibrated, t.budget_s))
         if not self.queue:  # then nothing is queued: the projections are placement's too
@@ -146,6 +155,15 @@ class Scheduler:
         self.queue.append(t)
         self.queued_tokens += t.tokens
         return Queued()
+
+    def queue_wait_s(self, now: float) -> float:
+        """How long a request joining the queue now waits before it is dispatched, at
+        the rate this queue (since it last emptied) has drained: 0 with nothing queued
+        or too few dispatches to say."""
+        d = self.drained
+        if not self.queue or len(d) < DRAIN_MIN:
+            return 0.0
+        return len(self.queue) * (d[-1] - d[0]) / (len(d) - 1)
 
     def _place(self, t: Ticket, now: float, projections: list[Candidate],
                keep_budget: bool = False) -> EngineState | None:
@@ -235,7 +253,10 @@ class Scheduler:
             self.queue.remove(t)
             self.queued_tokens -= t.tokens
             t.queued_at = None
+            self.drained.append(now)
             out.append(t)
+        if not self.queue:
+            self.drained.clear()  # the next queue's rate is its own
         return out
 
     def dequeue(self, t: Ticket) -> None:
