@@ -256,15 +256,23 @@ class Exchange:
                              candidates=self.candidates, tpot_budget_s=self.tpot_budget_s)
         self.router.scheduler.annotate(self.ticket, req.chat, req.body, req.max_tokens)
         lead = self.router.leadership
-        if lead is not None and not lead.leading(now):  # lost the lease since its headers
-            return self._refuse(errors.not_serving(lead.reason(now) or "fenced"))
+        leased_at = 0.0
+        if lead is not None:
+            # The lease is checked on a fresh clock, and the wall time read with it is the
+            # admission's time on its log line: a process frozen (SIGSTOP, a long pause)
+            # after this check logs on resume, and its line must say when the lease
+            # allowed the decision, not when the line was written.
+            leased_at = self.router.wall()
+            checked = self.router.clock()
+            if not lead.leading(checked):  # lost the lease since its headers
+                return self._refuse(errors.not_serving(lead.reason(checked) or "fenced"))
         decision = self.router.scheduler.admit(self.ticket, now)
         self.decided_at = now
         if isinstance(decision, Refuse):
             return self._refuse(decision.error)
         if lead is not None:  # the fencing token, on every admitted request's log line
             log.info("admitted request_id=%s lease=%s holder=%s at=%.6f", self.request_id,
-                     lead.token, lead.identity, self.router.wall())
+                     lead.token, lead.identity, leased_at)
         if isinstance(decision, Queued):
             self.phase = Phase.QUEUED
             self._arm(min(self.deadline, now + self.router.config.admission.max_wait_ms / 1000))
