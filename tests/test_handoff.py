@@ -15,7 +15,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from narwhal.config import parse
-from narwhal.core.exchange import Body, Exchange, Headers
+from narwhal.core.exchange import Action, Body, Exchange, Headers
 from narwhal.core.handoff import resume
 from narwhal.core.router import Router
 from narwhal.server import workers as w
@@ -115,6 +115,18 @@ def drive_stream(ex: Exchange, up: bytes) -> bytes:
     return out
 
 
+def assemble(p: Pair, sid: int) -> tuple[Exchange, list[Action]]:
+    """A non-streaming request forwarded, handed to the worker, and its whole engine
+    stream answered there in one chunk: the worker's exchange (its stream still open)
+    and its actions for that chunk."""
+    snap, _ = p.forward(sid, BODY)
+    ex = p.take_over(sid, snap)
+    ex.response_headers(EVENT_STREAM, False)
+    upstream = orjson.loads(BODY) | {"stream": True, "return_token_ids": True,
+                                      "stream_options": {"include_usage": True}}
+    return ex, ex.response_body(engine_stream(orjson.dumps(upstream)), True)
+
+
 def in_loop(fn: Any) -> Any:
     """WorkerPort wants a running loop (its hello future)."""
     async def run() -> Any:
@@ -153,13 +165,7 @@ def test_handed_over_stream_ends_where_one_process_ends():
 def test_non_streaming_assembly_runs_in_the_worker():
     def body() -> None:
         p = Pair()
-        snap, _ = p.forward(3, BODY)
-        ex = p.take_over(3, snap)
-        ex.response_headers(EVENT_STREAM, False)
-        upstream = orjson.loads(BODY) | {"stream": True, "return_token_ids": True,
-                                          "stream_options": {"include_usage": True}}
-        actions = ex.response_body(engine_stream(orjson.dumps(upstream)), True)
-        h, b = actions
+        ex, (h, b) = assemble(p, 3)
         assert isinstance(b, Body)
         assert orjson.loads(b.data)["usage"]["completion_tokens"] == 4
         ex.close()
@@ -238,12 +244,7 @@ def test_the_rest_of_a_stream_the_scheduler_ended_opens_nothing():
 def test_a_worker_that_dies_between_release_and_count_leaves_nothing_uncounted():
     def body() -> None:
         p = Pair()
-        snap, _ = p.forward(6, BODY)
-        ex = p.take_over(6, snap)
-        ex.response_headers(EVENT_STREAM, False)
-        upstream = orjson.loads(BODY) | {"stream": True, "return_token_ids": True,
-                                          "stream_options": {"include_usage": True}}
-        ex.response_body(engine_stream(orjson.dumps(upstream)), True)
+        assemble(p, 6)
         release = [f for f in p.to_sched.take() if f[0] != w.W_COUNT]  # the count is lost
         for frame in release:
             p.port.on_frame(frame)
