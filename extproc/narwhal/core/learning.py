@@ -51,11 +51,10 @@ class Learning:
         measured = now - t.arrival
         if measured > 0:
             self.errors.append(abs(t.predicted_ttft_s - measured) / measured)
-        if t.predicted_ttft_s > 0:
-            # Admission compares the budget with projection x the engine's calibration, so
-            # that requests admitted close to the budget still meet it when the model is a
-            # little optimistic about that engine.
-            e.calibration.observe(t.predicted_ttft_s, measured)
+        # Admission compares the budget with projection x the engine's calibration, so
+        # that requests admitted close to the budget still meet it when the model is a
+        # little optimistic about that engine (projections under 10 ms are not learned).
+        e.calibration.observe(t.predicted_ttft_s, measured)
 
     def completed(self, t: Ticket, output_tokens: int, last_token_at: float) -> None:
         """A completion with identified output: its mean time per output token (one

@@ -92,7 +92,8 @@ class Scheduler:
         self.tokenizer: Any = None  # sizing.tokenizer's, for the prefix index (router sets)
         self.prompt_ids: PromptIds | None = None  # with KV events: exact prompt IDs
         self.queued_tokens = 0
-        # When recent requests left the queue: its measured drain rate. Charging the
+        # When recent requests left the queue since it last formed: its measured drain
+        # rate (a queue emptied by dispatch or by clients leaving alike). Charging the
         # queue at prefill speed alone misses the engines' own limits (a full decode
         # batch drains the queue only as decodes finish).
         self.drained: deque[float] = deque(maxlen=DRAIN_WINDOW)
@@ -151,6 +152,8 @@ class Scheduler:
                 return Dispatch(engine)
         if len(self.queue) >= self.config.admission.queue_limit:
             return Refuse(errors.queue_full())
+        if not self.queue:
+            self.drained.clear()  # a new queue: its rate is its own
         t.queued_at = now
         self.queue.append(t)
         self.queued_tokens += t.tokens
@@ -255,8 +258,6 @@ class Scheduler:
             t.queued_at = None
             self.drained.append(now)
             out.append(t)
-        if not self.queue:
-            self.drained.clear()  # the next queue's rate is its own
         return out
 
     def dequeue(self, t: Ticket) -> None:
