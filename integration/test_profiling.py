@@ -118,8 +118,10 @@ def test_the_probes_outputs_decode_together():
     stack.start()
     try:
         most = 0
+        end = time.monotonic() + 20
         with httpx.Client(timeout=5) as c:
             while not engine(stack, "slowdecode")["profiled"]:
+                assert time.monotonic() < end, "the engine was never profiled"
                 values = parse_vllm_metrics(
                     c.get(f"http://127.0.0.1:{stack.sims[0].port}/metrics").text)
                 most = max(most, values.get("running", 0.0))
