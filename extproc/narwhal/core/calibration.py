@@ -14,10 +14,12 @@ that matters (projections near the budget) is learned from requests like it.
 
 An octave with too few samples borrows a neighbour's margin: the nearest of the two
 shorter octaves that has one (its ratios run higher: the borrowed margin errs on the
-safe side), else the nearest longer one, else the p99 of every sample together, else
-1.0 (the model's own projection, as before any measurement). Not from further below: a
-5 ms projection measured at 25 ms (the proxy's own latency) says nothing of a 0.6 s one.
-Projections under 10 ms are not learned from at all, for the same reason.
+safe side), else the nearest longer one, else the p99 of the few samples there are from
+two octaves below upwards, else 1.0 (the model's own projection, as before any
+measurement). Never from further below: a 20 ms projection measured at 35 ms (a
+scheduling hiccup of the proxy's host) says nothing of a 0.6 s one, and pooled with it
+refused 0.6 s requests that were measured within 2% of their projection. Projections
+under 10 ms are not learned from at all, for the same reason.
 """
 
 from __future__ import annotations
@@ -49,12 +51,17 @@ def _quantile(xs: deque[float]) -> float:
 class Calibration:
     """Measured/predicted TTFT ratios of one engine, by octave of the prediction."""
 
-    __slots__ = ("_ratios", "_factors", "_all", "overall")
+    __slots__ = ("_ratios", "_factors", "_pooled", "_all", "_seen", "_total", "overall")
 
     def __init__(self) -> None:
         self._ratios: list[deque[float]] = [deque(maxlen=WINDOW) for _ in range(OCTAVES)]
         self._factors: list[float | None] = [None] * OCTAVES  # own p99 once MIN_SAMPLES
+        # per octave, the p99 of the samples from two octaves below upwards: computed
+        # when first asked for, forgotten every fourth sample
+        self._pooled: list[float | None] = [None] * OCTAVES
         self._all: deque[float] = deque(maxlen=2 * WINDOW)
+        self._seen = [0] * OCTAVES  # samples ever, per octave (the recompute cadence)
+        self._total = 0
         self.overall = 1.0  # the p99 over every recent sample (the fallback; /status)
 
     def observe(self, predicted_s: float, measured_s: float) -> None:
@@ -65,17 +72,24 @@ class Calibration:
         xs = self._ratios[i]
         xs.append(ratio)
         self._all.append(ratio)
-        # Sorting is per sample of the engine, not per decision: every fourth one.
-        if len(xs) >= MIN_SAMPLES and (len(xs) % 4 == 0 or len(xs) == WINDOW):
+        self._seen[i] += 1
+        self._total += 1
+        # Sorting is per sample of the engine, not per decision: every fourth one (the
+        # first few samples count at once: until an octave has its own margin, they are
+        # all the evidence there is).
+        if len(xs) >= MIN_SAMPLES and self._seen[i] % 4 == 0:
             self._factors[i] = _quantile(xs)
-        if len(self._all) % 4 == 0 or len(self._all) == self._all.maxlen:
+        if self._total % 4 == 0 or self._total < MIN_SAMPLES:
             self.overall = _quantile(self._all)
+            self._pooled = [None] * OCTAVES
 
     def factor(self, predicted_s: float) -> float:
         """The margin for a projection of ``predicted_s``: its octave's p99 ratio, or a
-        neighbour's (two shorter, then longer ones), or the overall one."""
+        neighbour's (two shorter, then longer ones), or the p99 of the samples near and
+        above it, or 1.0."""
         own = _octave(predicted_s)
-        for i in range(own, max(-1, own - BORROW_BELOW - 1), -1):
+        lowest = max(0, own - BORROW_BELOW)
+        for i in range(own, lowest - 1, -1):
             f = self._factors[i]
             if f is not None:
                 return f
@@ -83,7 +97,13 @@ class Calibration:
             f = self._factors[i]
             if f is not None:
                 return f
-        return self.overall
+        pooled = self._pooled[own]
+        if pooled is None:
+            near: deque[float] = deque()
+            for xs in self._ratios[lowest:]:
+                near.extend(xs)
+            pooled = self._pooled[own] = _quantile(near) if near else 1.0
+        return pooled
 
     def octaves(self) -> list[dict[str, float | int | None]]:
         """For /status: each octave with samples, its upper bound, factor and count."""
