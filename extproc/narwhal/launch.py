@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import random
 import shutil
 import signal
 import socket
@@ -35,8 +36,36 @@ class LaunchError(RuntimeError):
     pass
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port for a server started next, from below the kernel's ephemeral range.
+
+    Why not bind to port 0: that port comes from the ephemeral range, so any outgoing
+    connection (a health check, Envoy's upstream pool) may take it before the server it
+    was meant for binds it, which then exits at start. Ports below the range are only
+    taken by servers; this process never hands out one twice."""
+    low = _ephemeral_low()
+    pick = random.SystemRandom()
+    for _ in range(256):
+        port = pick.randrange(max(1024, low - 12000), low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # that range is full: the kernel's choice after all
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -263,6 +292,8 @@ class Stack(StackURLs):
                                            str(sim.port), "--model", self.model, "--dialect",
                                            sim.dialect, *sim.args])
                 wait_http(f"http://127.0.0.1:{sim.port}/health", timeout, p.popen)
+        except LaunchError as exc:
+            raise self._failed(exc) from exc
         except BaseException:
             self.stop()
             raise
@@ -297,10 +328,20 @@ class Stack(StackURLs):
                                           "warn", "--base-id", str(self.port),
                                           "--disable-hot-restart"])
             wait_http(f"http://127.0.0.1:{self.envoy_admin_port}/ready", timeout, envoy.popen)
+        except LaunchError as exc:
+            raise self._failed(exc) from exc
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _failed(self, exc: LaunchError) -> LaunchError:
+        """Stop everything; the error, with the log of each process that had exited."""
+        dead = [p for p in self.procs if p.popen.poll() is not None]
+        logs = "".join(f"\n--- {p.name} (exit {p.popen.returncode}) ---\n{p.tail()}"
+                       for p in dead)
+        self.stop()
+        return LaunchError(f"{exc}{logs}")
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
