@@ -74,9 +74,9 @@ def test_admission_margins_are_learned_per_size_of_projection(decoders):
     for i in range(4):
         long = f"{i} You are terse. " + "narwhal tusk ocean " * 1500
         resp = chat(decoders, {"x-slo-tpot-ms": "30"}, system=long, max_tokens=2)
-        assert resp.status_code == 200
-        assert int(resp.headers["x-narwhal-predicted-ttft-ms"]) >= 10
+        assert resp.status_code == 200, resp.text
+        assert int(resp.headers["x-narwhal-predicted-ttft-ms"]) >= 10, resp.headers
     after = engine(decoders, "quick")
-    assert sum(o["samples"] for o in after["calibration_octaves"]) == seen + 4
+    assert sum(o["samples"] for o in after["calibration_octaves"]) == seen + 4, after
     assert all(o["upto_ms"] > 0 for o in after["calibration_octaves"])
     assert after["calibration"] >= 1.0

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from narwhal.core.perf import PerfModel, Rls
+from narwhal.core.perf import PerfModel, WindowFit
 
 
 def step_engine(work: float, decodes: int, speed: float = 1.0) -> float:
@@ -84,10 +84,45 @@ def test_prefix_cache_counters_discount_prompts():
     assert m.hit_rate == pytest.approx(0.6, abs=0.01)
 
 
-def test_rls_covariance_does_not_wind_up():
-    r = Rls([0.0, 0.0], [1.0, 1.0], 0.9)
+def test_a_direction_no_sample_excites_stays_where_it_was():
+    r = WindowFit([0.0, 0.5], [1.0, 1.0], window=64)
     for _ in range(1000):
         r.update([1.0, 0.0], 1.0)  # the second feature never excited
-    assert sum(r.p[i][i] for i in range(2)) <= 2.0 + 1e-9
-    assert r.theta[0] == pytest.approx(1.0)
+    assert r.theta[0] == pytest.approx(1.0, rel=1e-3)
+    assert r.theta[1] == pytest.approx(0.5)
 
+
+def test_a_steady_batch_does_not_send_other_batch_sizes_astray():
+    # Regression: under steady load the decode count barely moves (here 190-210), so
+    # the intercept and the decode slope are nearly collinear. The old learner
+    # (recursive least squares with forgetting) wound up along that direction and,
+    # without a drift reset, projected other batch sizes wildly (replayed on a simulated
+    # h100: MAPE 56); a window of samples holds.
+    m = PerfModel(prefill_tps=10000, tpot_ms=20, overhead_ms=5, drift_limit=0)
+    rng = random.Random(5)
+    for _ in range(3000):
+        work, decodes = rng.uniform(50, 3000), rng.randrange(190, 211)
+        actual = step_engine(work, decodes) * rng.uniform(0.8, 1.25)  # step noise
+        m.observe_ttft(work, decodes, actual)
+    for decodes in (100, 200, 300):
+        for work in (100, 2000):
+            actual = step_engine(work, decodes)
+            assert abs(m.ttft_s(work, decodes) - actual) / actual < 0.5, (work, decodes)
+
+
+def test_a_profile_and_a_few_loaded_samples_project_more_work_as_longer():
+    # Regression: a profile's five probes and the first few loaded requests, fitted
+    # exactly, projected more prefill ahead as less time (down to nothing), and an engine
+    # was handed 100 prefills; the prior's pull keeps few samples sane.
+    for seed in range(40):
+        rng = random.Random(seed)
+        m = PerfModel(prefill_tps=10000, tpot_ms=20, overhead_ms=5)
+        for work in (256, 512, 1024, 2048, 4096):
+            m.observe_ttft(work, 0, step_engine(work, 0))
+        for _ in range(rng.randrange(1, 12)):
+            work, decodes = rng.uniform(500, 20000), rng.randrange(0, 12)
+            m.observe_ttft(work, decodes, step_engine(work, decodes) * rng.uniform(0.7, 1.5))
+        for decodes in (0, 10, 40):
+            projections = [m.ttft_s(work, decodes) for work in (2000, 10000, 40000)]
+            assert projections == sorted(projections) and projections[0] > 0.05, (
+                seed, decodes, projections)
