@@ -69,8 +69,15 @@ def test_the_prefix_index_is_bounded_by_the_engines_reported_cache(decoders):
 def test_admission_margins_are_learned_per_size_of_projection(decoders):
     """Each first token of an admitted request is one ratio in the octave of its
     projection (long prompts: projections under 10 ms teach nothing); /status shows them."""
-    quick = wait_engine(decoders, "quick", lambda e: e["profiled"])
-    seen = sum(o["samples"] for o in quick["calibration_octaves"])
+    wait_engine(decoders, "quick", lambda e: e["profiled"])
+    # Two long prompts first: the profile's probes are short, and on this engine (free
+    # prefill, 5 ms steps) a model that has seen only short prompts may project a long
+    # one under 10 ms, which teaches calibration nothing.
+    for i in range(2):
+        warm = f"warm {i} You are terse. " + "narwhal tusk ocean " * 1500
+        assert chat(decoders, {"x-slo-tpot-ms": "30"}, system=warm, max_tokens=2
+                    ).status_code == 200
+    seen = sum(o["samples"] for o in engine(decoders, "quick")["calibration_octaves"])
     for i in range(4):
         long = f"{i} You are terse. " + "narwhal tusk ocean " * 1500
         resp = chat(decoders, {"x-slo-tpot-ms": "30"}, system=long, max_tokens=2)

@@ -60,6 +60,40 @@ def test_scorers_are_weighted_and_named_in_config():
     assert d.engine is slow  # kv headroom outweighs the faster prefill
 
 
+def test_an_engine_is_loaded_past_its_verified_backlog_only_when_every_engine_is():
+    # fast has had first tokens measured behind up to 1000 tokens of prefill, slow behind
+    # 20000: a third 1000-token request would put 3000 on fast, past twice what was
+    # ever checked there, so it goes to slow.
+    r = router(admission={"mode": "predictive", "ttft_target_ms": 60000})
+    s = r.scheduler
+    fast, slow = r.engines
+    fast.verified_work, slow.verified_work = 1000, 20000
+    assert [s.admit(ticket(), 100.0).engine.name for _ in range(3)] == ["fast", "fast", "slow"]
+    # admission judges the engines the request may go to: slow's 2 s, not fast's 0.75 s
+    d = s.admit(Ticket(None, 1000, 100.0, 1.5, 160.0), 100.0)
+    assert isinstance(d, Refuse) and d.error.status == 429
+    # nothing within its verified backlog anywhere: every engine, as without the filter
+    slow.verified_work = 0
+    assert s.admit(ticket(), 100.0).engine is fast
+    # and without the filter configured, fast takes them all
+    plain = router(scheduler={"filters": ["subset", "has-slot"]})
+    plain.engines[0].verified_work = 1000
+    assert [plain.scheduler.admit(ticket(), 100.0).engine.name for _ in range(3)] == [
+        "fast"] * 3
+
+
+def test_a_first_token_verifies_the_backlog_it_was_dispatched_behind():
+    r = router()
+    s = r.scheduler
+    fast, _ = r.engines
+    t1, t2 = ticket(), ticket()
+    s.admit(t1, 100.0)
+    s.admit(t2, 100.0)
+    assert t2.engine is fast and t2.work_ahead == 2000
+    s.first_token(t2, 100.8)
+    assert fast.verified_work == 2000
+
+
 def test_decode_load_scorer_uses_predicted_output():
     r = router(scheduler={"scorers": {"decode-load": 1.0}})
     fast, slow = r.engines

@@ -65,7 +65,8 @@ class Scheduler:
     max_prefill_per_engine: int = 4
     max_decode_per_engine: int = 64
     # The placement pipeline (core/placement.py): filters in order, weighted scorers, a picker.
-    filters: tuple[str, ...] = ("subset", "has-slot", "tpot-budget", "kv-headroom")
+    filters: tuple[str, ...] = ("subset", "has-slot", "tpot-budget", "kv-headroom",
+                                "verified-backlog")
     scorers: dict[str, float] = field(default_factory=lambda: {"ttft": 1.0})
     picker: str = "max-score"
     # Prompt blocks (64 bytes) remembered per engine for the approximate prefix-cache

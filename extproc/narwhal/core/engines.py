@@ -31,6 +31,10 @@ class EngineState:
     decode: int = 0
     # Uncached prompt tokens of the requests in prefill here: the work ahead of the next.
     prefill_work: float = 0.0
+    # The most prefill work (own and ahead) at whose dispatch a first token has been
+    # measured here: how far the model's projections for this engine have been checked
+    # (the verified-backlog filter).
+    verified_work: float = 0.0
     # Predicted output tokens of the requests placed here (output-length learning).
     decode_backlog: int = 0
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))

@@ -40,6 +40,7 @@ class Learning:
             return
         resets = e.model.drift_resets
         e.model.observe_ttft(t.work_ahead, t.decodes_at_dispatch, now - t.dispatched_at)
+        e.verified_work = max(e.verified_work, t.work_ahead)
         # Drifted: measured again before it takes new work, unless it is the only engine
         # that can serve (its reopened model relearns from live traffic then: drift must
         # not become an outage).
@@ -69,6 +70,7 @@ class Learning:
 
     def probe(self, e: EngineState, m: Measurement, work_ahead: float, decodes: int) -> None:
         e.model.observe_ttft(work_ahead + m.prompt_tokens, decodes, m.ttft_s)
+        e.verified_work = max(e.verified_work, work_ahead + m.prompt_tokens)
         for seconds in m.intervals:
             e.model.observe_interval(decodes + 1, seconds)
 

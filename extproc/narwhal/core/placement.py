@@ -104,6 +104,25 @@ def _kv_headroom(t: Ticket, cands: list[Candidate], cfg: SchedulerConfig) -> lis
     return [c for c in cands if c.engine.kv_cache_usage < cfg.kv_usage_limit]
 
 
+VERIFIED_GROWTH = 2.0  # how far past its verified backlog an engine may be loaded
+
+
+def _verified_backlog(t: Ticket, cands: list[Candidate],
+                      cfg: SchedulerConfig) -> list[Candidate]:
+    """Prefer engines whose prefill backlog, with this request, stays within twice the
+    largest backlog at which a first token has been measured there (a profile's probes
+    count); if none does, all.
+
+    Why: a projection is checked only a TTFT after the dispatch it judged. An engine
+    with little more than its profile behind its model (one that was idle until the
+    fastest filled up) was handed 100-150 prefills within seconds, each projected well
+    within the budget, and most of them came back late, long after. Like TCP's slow
+    start, an engine's backlog may double each time its measurements catch up."""
+    ok = [c for c in cands if c.work <= 0  # adds no prefill (pass-through, all cached)
+          or c.engine.prefill_work + c.work <= VERIFIED_GROWTH * c.engine.verified_work]
+    return ok or cands
+
+
 def _ttft(t: Ticket, cands: list[Candidate]) -> list[float]:
     """Shortest projected TTFT (with each engine's margin) scores 1; the others in
     proportion. Admission judges the same numbers, so what it promised is where it goes."""
@@ -140,7 +159,8 @@ def _max_score(cands: list[Candidate], scores: list[float]) -> list[Candidate]:
 
 
 FILTERS: dict[str, Filter] = {"subset": _subset, "has-slot": _has_slot,
-                              "tpot-budget": _tpot_budget, "kv-headroom": _kv_headroom}
+                              "tpot-budget": _tpot_budget, "kv-headroom": _kv_headroom,
+                              "verified-backlog": _verified_backlog}
 SCORERS: dict[str, Scorer] = {"ttft": _ttft, "decode-load": _decode_load, "kv-cache": _kv_cache,
                               "prefix-affinity": _prefix_affinity}
 PICKERS: dict[str, Picker] = {"max-score": _max_score}

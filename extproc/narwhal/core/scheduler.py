@@ -20,7 +20,7 @@ from .engines import EngineState
 from .errors import HttpError
 from .learning import Learning
 from .outputs import Key, OutputLengths, system_hash
-from .placement import Candidate, Pipeline, project
+from .placement import FILTERS, Candidate, Pipeline, project
 from .pool import Pool
 from .prefix import prompt_blocks
 
@@ -130,6 +130,9 @@ class Scheduler:
             if not room:
                 return Refuse(errors.engines_saturated())
             cands = room
+        if predictive and "verified-backlog" in self.config.scheduler.filters:
+            # judged where it may be placed (the placement filter's own rule)
+            cands = FILTERS["verified-backlog"](t, cands, self.config.scheduler)
         if predictive and t.tpot_budget_s is not None:
             fit = [c for c in cands if c.tpot_s <= t.tpot_budget_s]
             if not fit:
