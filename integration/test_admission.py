@@ -224,9 +224,13 @@ def test_projected_over_budget_is_429_with_rounded_overrun(predictive):
 
 def test_predictions_track_measurements(predictive):
     wait_for(predictive, lambda s: s["requests"]["in_flight"] == 0)
+    # A generous budget: this is about the projections, not admission. (With the
+    # module's 1 s budget, a 0.6 s projection is refused whenever one of the few shorter
+    # requests measured so far ran ~1.7x over its projection, e.g. a 150 ms scheduling
+    # hiccup of a busy CI host: the margin from few samples is their maximum, by design.)
     for tokens in (400, 800, 1200, 600):
-        resp = post(predictive, {"messages": prompt(tokens), "max_tokens": 2})
-        # the margins it was judged by, should it be refused
+        resp = post(predictive, {"messages": prompt(tokens), "max_tokens": 2},
+                    {"x-slo-ttft-ms": "10000"})
         assert resp.status_code == 200, (
             tokens, resp.text, status(predictive)["engines"][0]["calibration_octaves"])
     err = status(predictive)["prediction_error"]
