@@ -74,17 +74,20 @@ class WindowFit:
         # requests projected them at nothing
         self._prior = [1.0 / v for v in variance]
         self._rows: deque[list[float]] = deque(maxlen=window)
-        n = len(theta)
-        self._a = [[0.0] * n for _ in range(n)]  # the window's X'X and X'1, kept as sums
-        self._b = [0.0] * n
+        self._a: list[list[float]] = []  # the window's X'X and X'1, kept as sums
+        self._b: list[float] = []
         self._n = 0  # samples since the sums were last rebuilt
+        self._refill([])
 
     def reset(self, keep: int = 0) -> None:
         """Forget all but the last ``keep`` samples, keep the estimate: the next samples
         re-learn it fast."""
-        rows = list(self._rows)[-keep:] if keep else []
-        self._rows.clear()
+        self._refill(list(self._rows)[-keep:] if keep else [])
+
+    def _refill(self, rows: list[list[float]]) -> None:
+        """The window holds exactly ``rows``, its sums recomputed from them."""
         n = len(self.theta)
+        self._rows.clear()
         self._a = [[0.0] * n for _ in range(n)]
         self._b = [0.0] * n
         for r in rows:
@@ -98,7 +101,7 @@ class WindowFit:
         """Learn one sample (``x . theta ~ y``); return the prior prediction's error."""
         err = y - self.predict(x)
         n = len(x)
-        rows, a, b = self._rows, self._a, self._b
+        rows = self._rows
         if len(rows) == rows.maxlen:
             self._add(rows[0], -1.0)
         rows.append([*x, y])
@@ -106,10 +109,8 @@ class WindowFit:
         self._n += 1
         if self._n >= 4 * (rows.maxlen or 1):  # rebuild the sums: no rounding creep
             self._n = 0
-            self._a = a = [[0.0] * n for _ in range(n)]
-            self._b = b = [0.0] * n
-            for r in rows:
-                self._add(r, 1.0)
+            self._refill(list(rows))
+        a, b = self._a, self._b
         # Normal equations with the pull toward the current estimate. No coefficient may
         # be negative (more work, more sequences, never less time): one that comes out
         # negative is held at zero and the rest refitted, so that a few noisy samples
@@ -236,16 +237,15 @@ class PerfModel:
         # Clipped below as it is above: a prediction many times the measurement is one
         # sample, and must not outweigh ten.
         self.drift += DRIFT_EWMA * (max(-1.0, err) - self.drift)
-        self._run = self._run + 1 if err > 0 and self._run >= 0 else (
-            self._run - 1 if err < 0 and self._run <= 0 else (1 if err > 0 else -1))
+        sign = 1 if err > 0 else -1
+        self._run = self._run + sign if self._run * sign > 0 else sign
         self._since_reset += 1
+        same_way = self._run if self.drift > 0 else -self._run  # the run of drift's sign
         if (self.drift_limit and abs(self.drift) > self.drift_limit
-                and self._since_reset >= DRIFT_MIN_SAMPLES
-                and (self._run if self.drift > 0 else -self._run) >= DRIFT_RUN):
+                and self._since_reset >= DRIFT_MIN_SAMPLES and same_way >= DRIFT_RUN):
             # Errors all one way: the engine is not what it was (slowed, sped up, or the
             # seeds were wrong). Reopen the model so the next samples re-learn it.
-            same_way = self._run if self.drift > 0 else -self._run
-            self.ttft.reset(min(DRIFT_KEEP, max(0, same_way)))
+            self.ttft.reset(min(DRIFT_KEEP, same_way))
             self.drift = 0.0
             self.drift_resets += 1
             self._since_reset = 0

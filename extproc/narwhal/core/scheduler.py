@@ -125,8 +125,7 @@ class Scheduler:
         cands = projections
         predictive = self.config.admission.mode == "predictive"
         if predictive and "kv-headroom" in self.config.scheduler.filters:
-            room = [c for c in cands
-                    if c.engine.kv_cache_usage < self.config.scheduler.kv_usage_limit]
+            room = FILTERS["kv-headroom"](t, cands, self.config.scheduler)
             if not room:
                 return Refuse(errors.engines_saturated())
             cands = room
@@ -134,7 +133,7 @@ class Scheduler:
             # judged where it may be placed (the placement filter's own rule)
             cands = FILTERS["verified-backlog"](t, cands, self.config.scheduler)
         if predictive and t.tpot_budget_s is not None:
-            fit = [c for c in cands if c.tpot_s <= t.tpot_budget_s]
+            fit = FILTERS["tpot-budget"](t, cands, self.config.scheduler)
             if not fit:
                 return Refuse(errors.tpot_over_budget(min(c.tpot_s for c in cands),
                                                       t.tpot_budget_s))
