@@ -73,7 +73,7 @@ def _headers(values: dict[str, str]) -> pb.HttpHeaders:
         base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]))
 
 
-async def run(events: int) -> float:
+async def setup() -> tuple[GrpcConnection, Transport, h2.connection.H2Connection]:
     router = Router(parse({
         "engines": [{"name": "a", "url": "http://127.0.0.1:9"}],
         "telemetry": {"profiling": False}}))
@@ -91,19 +91,38 @@ async def run(events: int) -> float:
     client.increment_flow_control_window(2**30)
     client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**30})
 
-    def exchange_bytes() -> None:
-        conn.data_received(client.data_to_send())
-        for data in transport.out:
-            for ev in client.receive_data(data):
-                if isinstance(ev, h2.events.DataReceived):
-                    client.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
-        transport.out.clear()
+    exchange_bytes(conn, transport, client)
+    return conn, transport, client
 
-    exchange_bytes()
+
+def exchange_bytes(conn: GrpcConnection, transport: Transport,
+                   client: h2.connection.H2Connection) -> None:
+    conn.data_received(client.data_to_send())
+    for data in transport.out:
+        for ev in client.receive_data(data):
+            if isinstance(ev, h2.events.DataReceived):
+                client.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+    transport.out.clear()
+
+
+def open_stream(client: h2.connection.H2Connection) -> int:
     sid = client.get_next_available_stream_id()
     client.send_headers(sid, [(":method", "POST"), (":scheme", "http"),
                               (":path", PROCESS_PATH.decode()), (":authority", "narwhal"),
                               ("content-type", "application/grpc"), ("te", "trailers")])
+    return sid
+
+
+def token_event(text: str, token: int, finish: str | None = None) -> bytes:
+    event = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "narwhal-sim",
+             "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None,
+                          "finish_reason": finish, "token_ids": [token]}]}
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+async def run(events: int) -> float:
+    conn, transport, client = await setup()
+    sid = open_stream(client)
     body = orjson.dumps({"model": "narwhal-sim", "stream": True, "max_tokens": 1_000_000,
                          "messages": [{"role": "user", "content": "hi"}]})
     for req in (
@@ -113,11 +132,8 @@ async def run(events: int) -> float:
             pb.ProcessingRequest(response_headers=_headers(
                 {":status": "200", "content-type": "text/event-stream"}))):
         client.send_data(sid, _message(req))
-    exchange_bytes()
-    event = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "narwhal-sim",
-             "choices": [{"index": 0, "delta": {"content": "tok"}, "logprobs": None,
-                          "finish_reason": None, "token_ids": [42]}]}
-    chunk = b"data: " + orjson.dumps(event) + b"\n\n"
+    exchange_bytes(conn, transport, client)
+    chunk = token_event("tok", 42)
     message = _message(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk)))
     reads = []
     for _ in range(events):  # the client's own cost stays out of the timing
@@ -133,11 +149,71 @@ async def run(events: int) -> float:
     return elapsed / events
 
 
+REQUEST_BODY = orjson.dumps({"model": "narwhal-sim", "max_tokens": 16,
+                             "messages": [{"role": "user", "content": "hello there"}]})
+
+
+def request_reads(client: h2.connection.H2Connection, chunks: int) -> list[bytes]:
+    """One non-streaming request as Envoy sends it, one read per message: headers, body,
+    the engine's response headers, ``chunks`` body chunks of two token events each (the
+    last with the usage event and ``[DONE]``), the end of the body, the end of the stream."""
+    sid = open_stream(client)
+    reads = []
+
+    def send(req: pb.ProcessingRequest, end: bool = False) -> None:
+        client.send_data(sid, _message(req), end_stream=end)
+        reads.append(client.data_to_send())
+
+    send(pb.ProcessingRequest(request_headers=_headers(
+        {":path": "/v1/chat/completions", ":method": "POST",
+         "content-type": "application/json", "x-request-id": f"r{sid}"})))
+    send(pb.ProcessingRequest(request_body=pb.HttpBody(body=REQUEST_BODY, end_of_stream=True)))
+    send(pb.ProcessingRequest(response_headers=_headers(
+        {":status": "200", "content-type": "text/event-stream"})))
+    for i in range(chunks):
+        last = i == chunks - 1
+        body = token_event("a", 2 * i + 1) + token_event("b", 2 * i + 2, "length" if last else None)
+        if last:
+            usage = {"id": "c", "object": "chat.completion.chunk", "created": 1,
+                     "model": "narwhal-sim", "choices": [],
+                     "usage": {"prompt_tokens": 5, "completion_tokens": 2 * chunks,
+                               "total_tokens": 5 + 2 * chunks}}
+            body += b"data: " + orjson.dumps(usage) + b"\n\ndata: [DONE]\n\n"
+        send(pb.ProcessingRequest(response_body=pb.HttpBody(body=body)))
+    send(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True)), end=True)
+    return reads
+
+
+async def run_requests(requests: int) -> float:
+    """Whole non-streaming requests, each on its own ext_proc stream, one after another."""
+    conn, transport, client = await setup()
+    total = 0.0
+    for _ in range(requests):
+        reads = request_reads(client, 8)
+        start = time.perf_counter()
+        for data in reads:
+            conn.data_received(data)
+        total += time.perf_counter() - start
+        exchange_bytes(conn, transport, client)
+    if conn.streams:
+        raise SystemExit(f"{len(conn.streams)} ext_proc streams still open")
+    return total / requests
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=0,
+                        help="measure whole non-streaming requests instead of token events")
     args = parser.parse_args()
+    if args.requests:
+        runs = [asyncio.run(run_requests(args.requests)) for _ in range(args.reps)]
+        print(f"ext_proc server path, in process: {statistics.median(runs) * 1e6:.1f} us per "
+              f"non-streaming request of 16 tokens in 8 chunks, 12 messages (median of "
+              f"{args.reps} x {args.requests}; min {min(runs) * 1e6:.1f})")
+        print(f"reproduce: python -m bench.messages --requests {args.requests} --reps {args.reps}")
+        return 0
     runs = [asyncio.run(run(args.events)) for _ in range(args.reps)]
     print(f"ext_proc server path, in process: {statistics.median(runs) * 1e6:.2f} us per "
           f"token-event message (median of {args.reps} x {args.events}; "

@@ -183,3 +183,23 @@ def test_frames_split_anywhere(cut):
     raw = client.data_to_send()
     events = server.receive(raw[:cut]) + server.receive(raw[cut:])
     assert [type(e) for e in events] == [http2.RequestReceived, http2.DataReceived]
+
+
+def test_a_remembered_header_block_is_decoded_again_once_the_table_changed() -> None:
+    """Blocks that only read the dynamic table are remembered; the same bytes read after
+    the table changed must see the new table (index 62 is the newest entry)."""
+    from hpack import Encoder, HPACKError
+
+    from narwhal.server.http2 import _Decoder
+
+    enc, dec = Encoder(), _Decoder(65536)
+    assert dec.decode(enc.encode([("x-a", "1")])) == [(b"x-a", b"1")]  # adds entry 62
+    again = enc.encode([("x-a", "1")])  # a reference to entry 62: reads only
+    assert dec.decode(again) == [(b"x-a", b"1")]
+    assert dec.decode(again) == [(b"x-a", b"1")]  # remembered
+    assert again in dec.blocks
+    assert dec.decode(enc.encode([("x-b", "2")])) == [(b"x-b", b"2")]  # now entry 62
+    assert dec.decode(again) == [(b"x-b", b"2")]
+    dec.table.maxsize = 0  # a size update empties the table: nothing to refer to
+    with pytest.raises(HPACKError):
+        dec.decode(again)
