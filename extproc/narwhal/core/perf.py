@@ -115,11 +115,17 @@ class WindowFit:
         # be negative (more work, more sequences, never less time): one that comes out
         # negative is held at zero and the rest refitted, so that a few noisy samples
         # (a profile on a busy host) cannot make a longer prompt project shorter.
-        pull = [RIDGE * a[i][i] + self._prior[i] for i in range(n)]
+        prior, theta0 = self._prior, self.theta
+        pull = [RIDGE * a[i][i] + prior[i] for i in range(n)]
         free = list(range(n))
         while free:
-            m = [[a[i][j] + (pull[i] if i == j else 0.0) for j in free]
-                 + [b[i] + pull[i] * self.theta[i]] for i in free]
+            m = []
+            for i in free:
+                ai = a[i]
+                r = [ai[j] for j in free]
+                r[len(m)] += pull[i]
+                r.append(b[i] + pull[i] * theta0[i])
+                m.append(r)
             solved = _solve(m)
             if solved is None:
                 return err
@@ -138,30 +144,42 @@ class WindowFit:
         a, b = self._a, self._b
         for i in range(n):
             ri = sign * row[i]
-            b[i] += ri * y
-            ai = a[i]
-            for j in range(n):
-                ai[j] += ri * row[j]
+            if ri:  # a feature at 0 (no decodes running) adds nothing to its row
+                b[i] += ri * y
+                ai = a[i]
+                for j in range(n):
+                    ai[j] += ri * row[j]
 
 
 def _solve(m: list[list[float]]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting on an augmented n x (n+1) matrix."""
+    """Gaussian elimination with partial pivoting on an augmented n x (n+1) matrix.
+    (Written out plainly: it runs on every first token and every completion.)"""
     n = len(m)
     for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(m[r][c]))
-        if abs(m[p][c]) < 1e-15:
-            return None
-        m[c], m[p] = m[p], m[c]
-        pivot = m[c]
+        p, best = c, abs(m[c][c])
         for r in range(c + 1, n):
-            f = m[r][c] / pivot[c]
+            v = abs(m[r][c])
+            if v > best:
+                p, best = r, v
+        if best < 1e-15:
+            return None
+        if p != c:
+            m[c], m[p] = m[p], m[c]
+        pivot = m[c]
+        d = pivot[c]
+        for r in range(c + 1, n):
+            row = m[r]
+            f = row[c] / d
             if f:
-                row = m[r]
                 for k in range(c, n + 1):
                     row[k] -= f * pivot[k]
     out = [0.0] * n
     for r in range(n - 1, -1, -1):
-        out[r] = (m[r][n] - sum(m[r][k] * out[k] for k in range(r + 1, n))) / m[r][r]
+        row = m[r]
+        acc = row[n]
+        for k in range(r + 1, n):
+            acc -= row[k] * out[k]
+        out[r] = acc / row[r]
     return out
 
 
