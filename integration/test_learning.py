@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import httpx
 import pytest
 
 from narwhal.launch import SimSpec
 
-from .conftest import MODEL, _stack
+from .conftest import MODEL, _stack, wait_for
 from .test_profiling import engine, status, wait_engine
 
 
@@ -87,3 +89,52 @@ def test_admission_margins_are_learned_per_size_of_projection(decoders):
     assert sum(o["samples"] for o in after["calibration_octaves"]) == seen + 4, after
     assert all(o["upto_ms"] > 0 for o in after["calibration_octaves"])
     assert after["calibration"] >= 1.0
+
+
+@pytest.fixture(scope="module")
+def near_far():
+    """Two engines, one 20x faster at prefill: placement prefers it by projection."""
+    yield from _stack([SimSpec("near", args=["--prefill-tps", "20000", "--tpot-ms", "5"]),
+                       SimSpec("far", args=["--prefill-tps", "1000", "--tpot-ms", "5"])])
+
+
+def test_an_engine_takes_unverified_backlog_only_up_to_twice_what_it_has_verified(near_far):
+    """The verified-backlog filter through Envoy: while the faster engine holds its first
+    tokens (the simulator's gate), it takes requests only while their prefill work stays
+    within twice the largest backlog it has served a first token behind (its profile's);
+    the next goes to the slower engine, though projected slower. Once the first tokens
+    come, what was verified grows."""
+    for name in ("near", "far"):
+        wait_engine(near_far, name, lambda e: e["profiled"])
+    sim = f"http://127.0.0.1:{next(s.port for s in near_far.sims if s.name == 'near')}"
+    verified = engine(near_far, "near")["verified_work"]
+    assert verified > 0 and engine(near_far, "far")["verified_work"] > 0
+    assert httpx.post(f"{sim}/sim/hold", json={"hold": True}).status_code == 200
+    placed: list[str] = []
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = []
+        try:
+            while "far" not in placed:
+                assert len(placed) < 3, placed  # near has 4 prefill slots: not what stops it
+                before = {n: engine(near_far, n)["dispatched"] for n in ("near", "far")}
+                # distinct words first (no shared prefix); ~0.8x the verified backlog in
+                # the router's estimate (4 bytes a token)
+                prompt = f"{len(placed)} request " + "tusk " * int(0.8 * verified * 4 / 5)
+                futures.append(pool.submit(chat, near_far, {"x-slo-ttft-ms": "60000"},
+                                           system=prompt, max_tokens=2))
+                now = wait_for(lambda b=before: next(
+                    ({"name": n} | engine(near_far, n) for n in ("near", "far")
+                     if engine(near_far, n)["dispatched"] > b[n]), None))
+                placed.append(now["name"])
+                near = engine(near_far, "near")
+                assert near["prefill_work"] <= 2 * verified, (placed, near)
+            work = engine(near_far, "near")["prefill_work"] / placed.count("near")
+            assert placed == ["near", "near", "far"], (placed, work, verified)
+            assert 3 * work > 2 * verified  # one more would have passed twice the verified
+        finally:
+            httpx.post(f"{sim}/sim/hold", json={"hold": False})
+        for f in futures:
+            resp = f.result()
+            assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n"), resp.text
+    # the second request's first token came behind both requests' work
+    assert engine(near_far, "near")["verified_work"] >= 2 * work > verified

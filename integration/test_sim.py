@@ -10,6 +10,8 @@ import pytest
 
 from narwhal.launch import SimSpec, Stack
 
+from .conftest import wait_for
+
 MODEL = "narwhal-sim"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 5,
         "max_tokens": 6}
@@ -128,3 +130,18 @@ def test_speed_knob_is_validated(sim):
     assert httpx.post(f"{sim}/sim/speed", json={"speed": 1}).json() == {"speed": 1.0}
     bad = httpx.post(f"{sim}/sim/speed", json={"speed": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "speed"
+
+
+def test_a_held_engine_accepts_requests_and_runs_no_step_until_released(sim):
+    bad = httpx.post(f"{sim}/sim/hold", json={"hold": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "hold"
+    assert httpx.post(f"{sim}/sim/hold", json={"hold": True}).json() == {"hold": True}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(httpx.post, f"{sim}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        wait_for(lambda: _metric(sim, "num_requests_waiting") == 1.0)
+        assert _metric(sim, "num_requests_running") == 0.0  # not even scheduled
+        assert not fut.done()
+        assert httpx.post(f"{sim}/sim/hold", json={"hold": False}).json() == {"hold": False}
+        resp = fut.result()
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4

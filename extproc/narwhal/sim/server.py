@@ -50,6 +50,10 @@ class Engine:
         self.slow_start_ms = slow_start_ms
         self.time_scale = time_scale
         self.speed = 1.0  # runtime knob (POST /sim/speed): drift
+        # POST /sim/hold: no step runs while set (tests hold requests before their first
+        # token and synchronise on it, instead of on timing)
+        self.running = asyncio.Event()
+        self.running.set()
         self.requests_total = 0
         self.steps = 0
         self.waiters: dict[Seq, asyncio.Event] = {}
@@ -71,6 +75,10 @@ class Engine:
         loop = asyncio.get_running_loop()
         end = loop.time()
         while True:
+            if not self.running.is_set():
+                await self.running.wait()
+                end = loop.time()
+                continue
             if not self.sched.busy():
                 self.kick.clear()
                 await self.kick.wait()
@@ -112,6 +120,7 @@ class Engine:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/sim/speed", self.set_speed)
+        app.router.add_post("/sim/hold", self.set_hold)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -126,6 +135,21 @@ class Engine:
             return _error(SimRequestError("speed must be in (0, 1000)", "speed"))
         self.speed = speed
         return web.Response(body=orjson.dumps({"speed": speed}), content_type="application/json")
+
+    async def set_hold(self, request: web.Request) -> web.Response:
+        """``{"hold": true}`` stops the engine between steps (requests are accepted and
+        wait, none progresses); ``{"hold": false}`` resumes it."""
+        try:
+            hold = orjson.loads(await request.read())["hold"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            hold = None
+        if hold.__class__ is not bool:
+            return _error(SimRequestError('body must be {"hold": true|false}', "hold"))
+        if hold:
+            self.running.clear()
+        else:
+            self.running.set()
+        return web.Response(body=orjson.dumps({"hold": hold}), content_type="application/json")
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
