@@ -203,3 +203,22 @@ def test_a_remembered_header_block_is_decoded_again_once_the_table_changed() -> 
     dec.table.maxsize = 0  # a size update empties the table: nothing to refer to
     with pytest.raises(HPACKError):
         dec.decode(again)
+
+
+def test_a_remembered_header_block_is_encoded_again_once_the_table_changed() -> None:
+    """What the encoder remembers decodes, block after block, to what was sent, also
+    after another header changed the table and after the peer resized it."""
+    from hpack import Decoder
+
+    from narwhal.server.http2 import _Encoder
+
+    enc, dec = _Encoder(), Decoder()
+    grpc = [(b":status", b"200"), (b"content-type", b"application/grpc")]
+    other = [(b"x-a", b"1")]
+    for headers in (grpc, grpc, grpc, other, grpc, other, grpc):
+        assert dec.decode(enc.encode(headers), raw=True) == headers
+    assert tuple(grpc) in enc.blocks
+    enc.resize(0)  # the peer's SETTINGS: the next block must carry the size update
+    block = enc.encode(grpc)
+    assert dec.decode(block, raw=True) == grpc and dec.header_table.maxsize == 0
+    assert dec.decode(enc.encode(grpc), raw=True) == grpc

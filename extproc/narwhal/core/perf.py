@@ -95,7 +95,13 @@ class WindowFit:
             self._add(r, 1.0)
 
     def predict(self, x: list[float]) -> float:
-        return sum(t * v for t, v in zip(self.theta, x, strict=True))
+        theta = self.theta
+        if len(x) != len(theta):
+            raise ValueError(f"{len(x)} features for {len(theta)} coefficients")
+        total = 0.0
+        for i in range(len(theta)):
+            total += theta[i] * x[i]
+        return total
 
     def update(self, x: list[float], y: float) -> float:
         """Learn one sample (``x . theta ~ y``); return the prior prediction's error."""

@@ -122,6 +122,7 @@ def _lb_metadata_bytes(destination: str) -> bytes:
     return _lb_metadata(destination).SerializeToString()
 
 
+@functools.lru_cache(maxsize=4096)  # most are the same few pairs: content-type, ...
 def _header_option(key: str, value: str) -> bytes:
     # HeaderValueOption{header=1: HeaderValue{key=1, raw_value=3}, append_action=3: OVERWRITE}
     header = _field(b"\x0a", key.encode("latin-1")) + _field(b"\x1a", value.encode("latin-1"))

@@ -96,6 +96,37 @@ class _CountingTable(HeaderTable):
         HeaderTable.maxsize.fset(self, newmax)  # type: ignore[misc]
 
 
+class _Encoder:
+    """``hpack.Encoder`` with the last blocks that changed nothing remembered: every
+    ext_proc stream is answered with the same response headers and trailers, which after
+    the first are references into the dynamic table, the same bytes each time."""
+
+    SIZE = 16
+
+    def __init__(self) -> None:
+        self.encoder = hpack.Encoder()
+        self.table = _CountingTable()
+        self.encoder.header_table = self.table
+        self.blocks: dict[tuple[tuple[bytes, bytes], ...], tuple[int, bytes]] = {}
+
+    def resize(self, size: int) -> None:
+        """The peer's SETTINGS_HEADER_TABLE_SIZE (the next block announces it)."""
+        self.encoder.header_table_size = size
+
+    def encode(self, headers: list[tuple[bytes, bytes]]) -> bytes:
+        key = tuple(headers)
+        changes = self.table.changes
+        hit = self.blocks.get(key)
+        if hit is not None and hit[0] == changes and not self.table.resized:
+            return hit[1]
+        block = self.encoder.encode(headers)
+        if self.table.changes == changes:
+            if len(self.blocks) >= self.SIZE:
+                self.blocks.clear()
+            self.blocks[key] = (changes, block)
+        return block
+
+
 class _Decoder:
     """``hpack.Decoder`` with the last read-only header blocks remembered. Envoy opens an
     ext_proc stream per request with the same headers, which after the first are all
@@ -134,7 +165,7 @@ class ServerConnection:
         self.max_streams = max_streams
         self.max_header_list = max_header_list
         self.decoder = _Decoder(max_header_list)
-        self.encoder = hpack.Encoder()
+        self.encoder = _Encoder()
         self.out: list[bytes] = []
         self.buf = b""
         self.preface = False
@@ -407,7 +438,7 @@ class ServerConnection:
             key = int.from_bytes(payload[i:i + 2], "big")
             value = int.from_bytes(payload[i + 2:i + 6], "big")
             if key == 0x1:
-                self.encoder.header_table_size = value
+                self.encoder.resize(value)
             elif key == 0x4:
                 if value > MAX_WINDOW:
                     raise ConnectionError_(FLOW_CONTROL_ERROR, "initial window too large")
