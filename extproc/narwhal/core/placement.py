@@ -11,7 +11,7 @@ decision.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .engines import EngineState
@@ -28,11 +28,15 @@ class Candidate:
     tpot_s: float  # projected time per output token with this request decoding too
     work: float  # the request's own uncached prompt tokens on this engine
     cached: float  # the share of its prompt the engine's prefix index has seen
+    _margin_s: float = field(default=-1.0, init=False, repr=False)
 
     @property
     def ttft_margin_s(self) -> float:
-        """The projection with the engine's admission margin: what is promised."""
-        return self.ttft_s * self.engine.calibration.factor(self.ttft_s)
+        """The projection with the engine's admission margin: what is promised (looked
+        up once per decision: admission, filters and scorers all ask)."""
+        if self._margin_s < 0:
+            self._margin_s = self.ttft_s * self.engine.calibration.factor(self.ttft_s)
+        return self._margin_s
 
 
 def cached_fraction(e: EngineState, t: Ticket, now: float | None = None) -> float | None:
