@@ -139,14 +139,14 @@ async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: in
                     piece = (choice.get("delta") or {}).get("content")
                     if piece:
                         last = time.monotonic()
-                        first = first or last
+                        if first is None:  # kept if the client gives up during decode
+                            first = last
+                            result.ttft_s = first - start
                         result.tokens += 1
                         reply.append(piece)
             result.end = time.monotonic()
-            if first is not None:
-                result.ttft_s = first - start
-                if result.tokens > 1:
-                    result.tpot_s = (last - first) / (result.tokens - 1)
+            if first is not None and result.tokens > 1:
+                result.tpot_s = (last - first) / (result.tokens - 1)
             work.answered(messages, "".join(reply))
     except (TimeoutError, aiohttp.ClientError):
         pass
@@ -218,6 +218,8 @@ def quantile(xs: list[float], q: float) -> float:
 
 def summarize(results: list[Result], duration: float, budget_s: float, scale: float) -> dict:
     ok = [r for r in results if r.status == 200 and r.ttft_s is not None]
+    # admitted (200) but no first token before the client gave up: out of budget too
+    admitted = sum(1 for r in results if r.status == 200)
     good = [r for r in ok if r.ttft_s <= budget_s]
     errs = [abs(r.predicted_s - r.ttft_s) / r.ttft_s for r in ok if r.predicted_s is not None]
     out_errs = [abs(r.predicted_tokens - r.tokens) / max(1, r.tokens) for r in ok
@@ -226,7 +228,7 @@ def summarize(results: list[Result], duration: float, budget_s: float, scale: fl
     return {
         "offered": len(results),
         "goodput": len(good) / duration,
-        "in_budget": len(good) / len(ok) if ok else float("nan"),
+        "in_budget": len(good) / admitted if admitted else float("nan"),
         "ttft50": quantile([r.ttft_s / scale for r in ok], 0.5),
         "ttft90": quantile([r.ttft_s / scale for r in ok], 0.9),
         "ttft99": quantile([r.ttft_s / scale for r in ok], 0.99),

@@ -92,3 +92,35 @@ def test_a_request_near_the_budget_is_admitted_when_requests_like_it_kept_it():
     # and one projected past the budget with its own octave's margin is still refused
     t2 = ticket(router, 2400, budget_s=projected * 1.05)
     assert isinstance(router.scheduler.admit(t2, clock.t), Refuse)
+
+
+def test_an_engine_with_nothing_near_a_size_takes_the_pools_margin():
+    """Regression (scheduling benchmark at 1.5x): an engine that only just became busy
+    had no samples near its projections and was trusted exactly; requests admitted there
+    at 80-99% of the budget ran 14-40% over, as the pool's other engines had before."""
+    pool = Calibration()
+    busy, idle = Calibration(pool), Calibration(pool)
+    for _ in range(64):
+        for c in (busy, pool):
+            c.observe(0.6, 0.6 * 1.3)
+    assert busy.factor(0.6) == pytest.approx(1.3)
+    assert idle.factor(0.6) == pytest.approx(1.3)  # the pool's, not 1.0
+    assert idle.octaves() == []
+    for _ in range(MIN_SAMPLES):
+        idle.observe(0.6, 0.6 * 1.05)
+    assert idle.factor(0.6) == pytest.approx(1.05)  # its own, once it has some
+    assert Calibration().factor(0.6) == 1.0  # no pool, nothing measured: the projection
+
+
+def test_first_tokens_teach_the_engine_and_the_pool():
+    router, clock, _ = make_router()
+    fast, slow = router.engines
+    for _ in range(MIN_SAMPLES):
+        t = ticket(router, 2000, budget_s=5.0)
+        assert isinstance(router.scheduler.admit(t, clock.t), Dispatch) and t.engine is fast
+        router.scheduler.first_token(t, clock.t + t.predicted_ttft_s * 1.5)
+        router.scheduler.release(t, clock.t + 1)
+    projected = t.predicted_ttft_s
+    assert fast.calibration.factor(projected) == pytest.approx(1.5)
+    assert slow.calibration.octaves() == []
+    assert slow.calibration.factor(projected) == pytest.approx(1.5)

@@ -15,8 +15,11 @@ that matters (projections near the budget) is learned from requests like it.
 An octave with too few samples borrows a neighbour's margin: the nearest of the two
 shorter octaves that has one (its ratios run higher: the borrowed margin errs on the
 safe side), else the nearest longer one, else the p99 of the few samples there are from
-two octaves below upwards, else 1.0 (the model's own projection, as before any
-measurement). Never from further below: a 20 ms projection measured at 35 ms (a
+two octaves below upwards, else the pool's margin for that size (the same rules over
+every engine's samples: an engine that has served nothing near this size yet, such as
+one that only just became busy, is presumed as far off as the pool's others have been,
+not exact), else 1.0 (the model's own projection, as before any measurement). Never
+from further below: a 20 ms projection measured at 35 ms (a
 scheduling hiccup of the proxy's host) says nothing of a 0.6 s one, and pooled with it
 refused 0.6 s requests that were measured within 2% of their projection. Projections
 under 10 ms are not learned from at all, for the same reason.
@@ -51,9 +54,11 @@ def _quantile(xs: deque[float]) -> float:
 class Calibration:
     """Measured/predicted TTFT ratios of one engine, by octave of the prediction."""
 
-    __slots__ = ("_ratios", "_factors", "_pooled", "_all", "_seen", "_total", "overall")
+    __slots__ = ("_ratios", "_factors", "_pooled", "_all", "_seen", "_total", "overall",
+                 "pool")
 
-    def __init__(self) -> None:
+    def __init__(self, pool: Calibration | None = None) -> None:
+        self.pool = pool  # every engine's samples: the margin where this one has none
         self._ratios: list[deque[float]] = [deque(maxlen=WINDOW) for _ in range(OCTAVES)]
         self._factors: list[float | None] = [None] * OCTAVES  # own p99 once MIN_SAMPLES
         # per octave, the p99 of the samples from two octaves below upwards: computed
@@ -102,7 +107,9 @@ class Calibration:
             near: deque[float] = deque()
             for xs in self._ratios[lowest:]:
                 near.extend(xs)
-            pooled = self._pooled[own] = _quantile(near) if near else 1.0
+            if not near:  # nothing of its own: the pool's (which learns meanwhile)
+                return 1.0 if self.pool is None else self.pool.factor(predicted_s)
+            pooled = self._pooled[own] = _quantile(near)
         return pooled
 
     def octaves(self) -> list[dict[str, float | int | None]]:

@@ -56,6 +56,7 @@ class Learning:
         # that requests admitted close to the budget still meet it when the model is a
         # little optimistic about that engine (projections under 10 ms are not learned).
         e.calibration.observe(t.predicted_ttft_s, measured)
+        self.pool.calibration.observe(t.predicted_ttft_s, measured)
 
     def completed(self, t: Ticket, output_tokens: int, last_token_at: float) -> None:
         """A completion with identified output: its mean time per output token (one

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import Config, EngineConfig
+from .calibration import Calibration
 from .engines import EngineState
 from .kv_events import KvBlocks, KvEventError, decode_batch
 from .prefix import PrefixIndex
@@ -40,6 +41,9 @@ class Pool:
         self.kv_stale_s = config.telemetry.kv_events_stale_ms / 1000
         self.prefix_blocks = config.scheduler.prefix_index_blocks
         self.engines: list[EngineState] = []
+        # Every engine's admission samples together: the margin of an engine that has
+        # none of its own for a size of projection (calibration.py).
+        self.calibration = Calibration()
         for cfg in config.engines:
             self._add(cfg)
 
@@ -48,6 +52,7 @@ class Pool:
         e.profiled = not self.profiling  # with profiling off, health alone admits it
         e.model.drift_limit = self.drift_threshold
         e.prefix = PrefixIndex(self.prefix_blocks)
+        e.calibration.pool = self.calibration
         if cfg.kv_events:
             e.kv = KvBlocks(self.prefix_blocks or KV_BLOCKS_DEFAULT, self.kv_stale_s)
         self.engines.append(e)
