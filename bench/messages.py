@@ -1,12 +1,15 @@
 """Per-message cost of Narwhal's ext_proc server path, in process, without sockets.
 
-    python -m bench.messages [--events N] [--reps R]
+    python -m bench.messages [--events N | --requests N] [--reps R]
 
 An ``h2`` client opens one ext_proc stream on a ``GrpcConnection`` (Narwhal's HTTP/2 and
 gRPC layers, the ext_proc adapter, the driver and the exchange, as served), takes a
 streaming chat request to its response body, then feeds N response-body messages of one
 token event each, one per ``data_received`` (the worst case: no two messages share a
-read). It prints the median time per message over R runs. Kernel, event-loop and Envoy
+read). With ``--requests N`` it instead feeds N whole non-streaming requests, each on
+its own ext_proc stream as Envoy opens one per request: headers, body, the engine's
+response headers, eight body chunks of two token events, the end (admission,
+placement, learning and assembly included). It prints the median over R runs. Kernel, event-loop and Envoy
 costs are not in it, which is the point: it isolates what Narwhal's own Python costs per
 token event, for profiling (``python -m cProfile -m bench.messages``) and before/after
 comparisons of the hot path. ``make bench`` measures the whole data path.
@@ -208,17 +211,15 @@ def main() -> int:
                         help="measure whole non-streaming requests instead of token events")
     args = parser.parse_args()
     if args.requests:
-        runs = [asyncio.run(run_requests(args.requests)) for _ in range(args.reps)]
-        print(f"ext_proc server path, in process: {statistics.median(runs) * 1e6:.1f} us per "
-              f"non-streaming request of 16 tokens in 8 chunks, 12 messages (median of "
-              f"{args.reps} x {args.requests}; min {min(runs) * 1e6:.1f})")
-        print(f"reproduce: python -m bench.messages --requests {args.requests} --reps {args.reps}")
-        return 0
-    runs = [asyncio.run(run(args.events)) for _ in range(args.reps)]
+        n, flag = args.requests, "--requests"
+        unit = "non-streaming request of 16 tokens in 8 chunks, 12 messages"
+        runs = [asyncio.run(run_requests(n)) for _ in range(args.reps)]
+    else:
+        n, flag, unit = args.events, "--events", "token-event message"
+        runs = [asyncio.run(run(n)) for _ in range(args.reps)]
     print(f"ext_proc server path, in process: {statistics.median(runs) * 1e6:.2f} us per "
-          f"token-event message (median of {args.reps} x {args.events}; "
-          f"min {min(runs) * 1e6:.2f})")
-    print(f"reproduce: python -m bench.messages --events {args.events} --reps {args.reps}")
+          f"{unit} (median of {args.reps} x {n}; min {min(runs) * 1e6:.2f})")
+    print(f"reproduce: python -m bench.messages {flag} {n} --reps {args.reps}")
     return 0
 
 
