@@ -134,6 +134,7 @@ class _Decoder:
     Python was a tenth of a request's CPU here; a lookup is not."""
 
     SIZE = 16
+    MAX_BLOCK = 256  # bytes of a block worth remembering (Envoy's are ~10)
 
     def __init__(self, max_header_list: int) -> None:
         self.decoder = hpack.Decoder()
@@ -149,7 +150,9 @@ class _Decoder:
         if hit is not None and hit[0] == changes:
             return hit[1]
         headers = [(bytes(k), bytes(v)) for k, v in self.decoder.decode(block, raw=True)]
-        if self.table.changes == changes:  # read only: the same bytes decode the same
+        # read only: the same bytes decode the same (a few references each; a peer's large
+        # blocks are not worth holding)
+        if self.table.changes == changes and len(block) <= self.MAX_BLOCK:
             if len(self.blocks) >= self.SIZE:
                 self.blocks.clear()
             self.blocks[block] = (changes, headers)
