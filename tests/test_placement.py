@@ -8,7 +8,7 @@ from narwhal.config import ConfigError, parse
 from narwhal.core.outputs import OutputLengths, system_hash
 from narwhal.core.placement import project
 from narwhal.core.router import Router
-from narwhal.core.scheduler import Dispatch, Refuse, Ticket
+from narwhal.core.scheduler import Dispatch, Queued, Refuse, Ticket
 
 
 def router(**sections) -> Router:
@@ -279,3 +279,28 @@ def test_prefix_index_memory_stays_bounded_over_a_million_distinct_prefixes():
     assert len(idx.blocks) == 65536 and idx.evictions == 4_000_000 - 65536
     assert sys.getsizeof(idx.blocks) == table
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 32 * 1024
+
+
+def test_predictive_admission_holds_a_request_every_engine_would_take_past_its_evidence():
+    """Regression (scheduling benchmark, 1.5x): with the fastest engine at its sequence
+    cap, the next was the only candidate, and the filter (which never refuses) handed it
+    twice the backlog it had been measured behind; projected at half the budget, those
+    requests took twice that. Now they wait in the queue until a first token drains or
+    verifies a backlog. An idle engine always takes a request."""
+    r = router(admission={"mode": "predictive", "ttft_target_ms": 60000})
+    s = r.scheduler
+    fast, slow = r.engines
+    fast.verified_work = slow.verified_work = 1000
+    placed = [ticket() for _ in range(4)]
+    assert [s.admit(t, 100.0).engine.name for t in placed] == ["fast", "fast", "slow", "slow"]
+    held = ticket()
+    assert isinstance(s.admit(held, 100.0), Queued) and held.engine is None
+    assert s.pump(100.1) == []  # nothing changed
+    s.first_token(placed[0], 100.5)  # fast: 1000 ahead now, within twice 1000
+    assert s.pump(100.5) == [held] and held.engine is fast
+    # open admission places it (the promise it keeps is the queue's, not the budget's)
+    plain = router(admission={"mode": "open"})
+    for e in plain.engines:
+        e.verified_work = 1000
+    assert all(isinstance(plain.scheduler.admit(ticket(), 100.0), Dispatch)
+               for _ in range(5))

@@ -115,16 +115,32 @@ def _verified_backlog(t: Ticket, cands: list[Candidate],
                       cfg: SchedulerConfig) -> list[Candidate]:
     """Prefer engines whose prefill backlog, with this request, stays within twice the
     largest backlog at which a first token has been measured there (a profile's probes
-    count); if none does, all.
+    count); if none does, all (predictive admission then holds the request in its queue
+    while every engine is ``extrapolated``: ``Scheduler._place``).
 
     Why: a projection is checked only a TTFT after the dispatch it judged. An engine
     with little more than its profile behind its model (one that was idle until the
     fastest filled up) was handed 100-150 prefills within seconds, each projected well
     within the budget, and most of them came back late, long after. Like TCP's slow
     start, an engine's backlog may double each time its measurements catch up."""
-    ok = [c for c in cands if c.work <= 0  # adds no prefill (pass-through, all cached)
-          or c.engine.prefill_work + c.work <= VERIFIED_GROWTH * c.engine.verified_work]
-    return ok or cands
+    return [c for c in cands if within_verified(c)] or cands
+
+
+def within_verified(c: Candidate) -> bool:
+    """The engine's prefill backlog with this request stays within ``VERIFIED_GROWTH``
+    times the largest one a first token was measured behind there (a request that adds
+    no prefill, pass-through or all cached, always does)."""
+    return (c.work <= 0
+            or c.engine.prefill_work + c.work <= VERIFIED_GROWTH * c.engine.verified_work)
+
+
+def extrapolated(c: Candidate) -> bool:
+    """Placing the request here would trust the model past what was measured: the engine
+    has a backlog, has verified one, and this request takes it past ``within_verified``.
+    (An idle engine is not: nothing ahead to misjudge, and nothing in flight would
+    verify more; nor is one that has measured nothing yet, profiling off.)"""
+    e = c.engine
+    return e.prefill_work > 0 and e.verified_work > 0 and not within_verified(c)
 
 
 def _ttft(t: Ticket, cands: list[Candidate]) -> list[float]:

@@ -20,7 +20,7 @@ from .engines import EngineState
 from .errors import HttpError
 from .learning import Learning
 from .outputs import Key, OutputLengths, system_hash
-from .placement import FILTERS, Candidate, Pipeline, project
+from .placement import FILTERS, Candidate, Pipeline, extrapolated, project
 from .pool import Pool
 from .prefix import prompt_blocks
 
@@ -181,6 +181,13 @@ class Scheduler:
         if keep_budget and ranked:
             waited = now - t.arrival
             ranked = [c for c in ranked if waited + c.ttft_margin_s <= t.budget_s]
+            if (ranked and "verified-backlog" in self.config.scheduler.filters
+                    and all(extrapolated(c) for c in ranked)):
+                # Every engine it could go to is past what its measurements have checked:
+                # its projection there is an extrapolation that has run 2x short (the
+                # only engine left when the fastest reached its sequence cap). Wait in
+                # the queue: the first tokens of the backlog verify more or drain it.
+                return None
         if not ranked:
             return None
         picked = ranked[0]
