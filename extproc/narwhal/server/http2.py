@@ -96,35 +96,55 @@ class _CountingTable(HeaderTable):
         HeaderTable.maxsize.fset(self, newmax)  # type: ignore[misc]
 
 
+class _Remembered:
+    """The last few header blocks whose coding left the dynamic table as it was, each
+    valid while the table's change count is the one it was coded at."""
+
+    SIZE = 16
+
+    def __init__(self, table: _CountingTable) -> None:
+        self.table = table
+        self.items: dict[object, tuple[int, object]] = {}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.items
+
+    def get(self, key: object) -> object | None:
+        hit = self.items.get(key)
+        return hit[1] if hit is not None and hit[0] == self.table.changes else None
+
+    def keep(self, key: object, changes: int, value: object) -> None:
+        """Remember ``value`` if the table still has ``changes`` (the coding only read it)."""
+        if self.table.changes != changes:
+            return
+        if len(self.items) >= self.SIZE:
+            self.items.clear()
+        self.items[key] = (changes, value)
+
+
 class _Encoder:
     """``hpack.Encoder`` with the last blocks that changed nothing remembered: every
     ext_proc stream is answered with the same response headers and trailers, which after
     the first are references into the dynamic table, the same bytes each time."""
 
-    SIZE = 16
-
     def __init__(self) -> None:
         self.encoder = hpack.Encoder()
-        self.table = _CountingTable()
-        self.encoder.header_table = self.table
-        self.blocks: dict[tuple[tuple[bytes, bytes], ...], tuple[int, bytes]] = {}
+        self.encoder.header_table = self.table = _CountingTable()
+        self.blocks = _Remembered(self.table)
 
     def resize(self, size: int) -> None:
-        """The peer's SETTINGS_HEADER_TABLE_SIZE (the next block announces it)."""
+        """The peer's SETTINGS_HEADER_TABLE_SIZE (the next block announces it: the resize
+        counts as a change, so no block remembered before it is used after)."""
         self.encoder.header_table_size = size
 
     def encode(self, headers: list[tuple[bytes, bytes]]) -> bytes:
         key = tuple(headers)
-        changes = self.table.changes
-        hit = self.blocks.get(key)
-        if hit is not None and hit[0] == changes and not self.table.resized:
-            return hit[1]
-        block = self.encoder.encode(headers)
-        if self.table.changes == changes:
-            if len(self.blocks) >= self.SIZE:
-                self.blocks.clear()
-            self.blocks[key] = (changes, block)
-        return block
+        block = self.blocks.get(key)
+        if block is None:
+            changes = self.table.changes
+            block = self.encoder.encode(headers)
+            self.blocks.keep(key, changes, block)
+        return block  # type: ignore[return-value]
 
 
 class _Decoder:
@@ -133,30 +153,22 @@ class _Decoder:
     references into the dynamic table: the same bytes each time. Decoding them in pure
     Python was a tenth of a request's CPU here; a lookup is not."""
 
-    SIZE = 16
     MAX_BLOCK = 256  # bytes of a block worth remembering (Envoy's are ~10)
 
     def __init__(self, max_header_list: int) -> None:
         self.decoder = hpack.Decoder()
-        self.table = _CountingTable()
-        self.table.maxsize = self.decoder.header_table.maxsize
-        self.decoder.header_table = self.table
+        self.decoder.header_table = self.table = _CountingTable()
         self.decoder.max_header_list_size = max_header_list
-        self.blocks: dict[bytes, tuple[int, list[tuple[bytes, bytes]]]] = {}
+        self.blocks = _Remembered(self.table)
 
     def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
-        changes = self.table.changes
-        hit = self.blocks.get(block)
-        if hit is not None and hit[0] == changes:
-            return hit[1]
-        headers = [(bytes(k), bytes(v)) for k, v in self.decoder.decode(block, raw=True)]
-        # read only: the same bytes decode the same (a few references each; a peer's large
-        # blocks are not worth holding)
-        if self.table.changes == changes and len(block) <= self.MAX_BLOCK:
-            if len(self.blocks) >= self.SIZE:
-                self.blocks.clear()
-            self.blocks[block] = (changes, headers)
-        return headers
+        headers = self.blocks.get(block)
+        if headers is None:
+            changes = self.table.changes
+            headers = [(bytes(k), bytes(v)) for k, v in self.decoder.decode(block, raw=True)]
+            if len(block) <= self.MAX_BLOCK:  # a peer's large blocks are not worth holding
+                self.blocks.keep(block, changes, headers)
+        return headers  # type: ignore[return-value]
 
 
 class ServerConnection:
