@@ -239,6 +239,39 @@ def test_predictions_track_measurements(predictive):
     assert err["samples"] >= 4 and err["p50"] < 0.2
 
 
+@pytest.fixture(scope="module")
+def one_slot():
+    yield from _stack(
+        [SimSpec("prefill", args=["--prefill-tps", "2000", "--tpot-ms", "5"])],
+        {"admission": {"mode": "predictive", "ttft_target_ms": 1000, "max_wait_ms": 30000},
+         "scheduler": {"max_prefill_per_engine": 1}},
+        engine_seed={"prefill_tps": 2000.0})
+
+
+def test_a_queued_request_whose_budget_no_engine_can_meet_any_more_is_refused(one_slot):
+    """Admitted into the queue on a projection within budget, a request that waits past
+    the point where any engine could still meet it is answered 429 with the overrun (the
+    predictive refusal), not sent on late. The simulator's gate holds the engine's first
+    token, so the request ahead keeps the only prefill slot."""
+    wait_for(one_slot, lambda s: s["engines"][0]["profiled"])
+    sim = f"http://127.0.0.1:{one_slot.sims[0].port}"
+    before = status(one_slot)["requests"]["terminal"]
+    assert httpx.post(f"{sim}/sim/hold", json={"hold": True}).status_code == 200
+    try:
+        ahead = background(one_slot, {"messages": prompt(50), "max_tokens": 2},
+                           {"x-slo-ttft-ms": "60000"})
+        wait_for(one_slot, lambda s: s["engines"][0]["prefill"] == 1)
+        resp = post(one_slot, {"messages": prompt(50), "max_tokens": 2})  # 1 s budget
+        err = envelope(resp, 429)
+        assert err["code"] == "ttft_budget_exceeded" and resp.headers["retry-after"] == "1"
+        st = status(one_slot)
+        assert st["requests"]["queued"] == 0 and st["engines"][0]["dispatched"] >= 1
+        assert st["requests"]["terminal"]["refused"] == before["refused"] + 1
+    finally:
+        httpx.post(f"{sim}/sim/hold", json={"hold": False})
+    assert ahead.result().status_code == 200
+
+
 # -- router states and eligibility ------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -387,7 +387,7 @@ def test_a_request_waits_for_the_engine_that_keeps_its_budget_rather_than_break_
     assert s.pump(clock.t) == [t2] and t2.engine is fast
 
 
-def test_a_queued_request_no_engine_can_serve_in_budget_any_more_goes_to_the_best_slot():
+def test_a_queued_request_no_engine_can_serve_in_budget_any_more_is_refused_with_the_overrun():
     router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1})
     s = router.scheduler
     fast, slow = router.engines
@@ -395,8 +395,45 @@ def test_a_queued_request_no_engine_can_serve_in_budget_any_more_goes_to_the_bes
     s.admit(t1, clock.t)
     t2 = ticket(router, 1500, budget_s=1.0)
     assert isinstance(s.admit(t2, clock.t), Queued)
+    t3 = ticket(router, 10, budget_s=5.0)  # behind it, and patient
+    assert isinstance(s.admit(t3, clock.t), Queued)
     clock.t += 0.9  # fast still busy; 0.9 s waited + 0.38 s on fast > 1 s: nowhere in budget
-    assert s.pump(clock.t) == [t2] and t2.engine is slow  # waiting helps no one now
+    assert s.pump(clock.t) == [t2, t3]  # given up, and the next one placed past it
+    assert t2.engine is None and t2.refusal is not None and t2.refusal.status == 429
+    assert t2.refusal.code == "ttft_budget_exceeded" and t2.refusal.retry_after == 1
+    assert t3.refusal is None and t3.engine is slow and not s.queue
+    assert fast.prefill == 1 and slow.prefill == 1  # t1 and t3: nothing booked for t2
+
+
+def test_in_open_mode_a_queued_request_past_its_budget_goes_to_the_best_slot():
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1},
+                                   admission={"mode": "open"})
+    s = router.scheduler
+    fast, slow = router.engines
+    t1, t2, t3 = (ticket(router, n, budget_s=1.0) for n in (100, 100, 1500))
+    assert s.admit(t1, clock.t).engine is fast and s.admit(t2, clock.t).engine is slow
+    assert isinstance(s.admit(t3, clock.t), Queued)
+    clock.t += 0.9
+    s.first_token(t2, clock.t)  # slow frees first: waiting for fast helps no one now
+    assert s.pump(clock.t) == [t3] and t3.engine is slow and t3.refusal is None
+
+
+def test_a_queued_request_given_up_is_answered_429_and_counted_refused():
+    router, clock, timers = make_router(scheduler={"max_prefill_per_engine": 1})
+    first, _ = start(router, 100)
+    second, _ = start(router, 100)
+    assert first.engine is not None and second.engine is not None
+    late, sent = start(router, 1500, {"x-slo-ttft-ms": "1000"})
+    assert sent == [] and len(router.scheduler.queue) == 1
+    timers.advance(0.9)
+    router.scheduler.first_token(first.ticket, clock.t)
+    router.pump()
+    RUNTIMES[router].drain()
+    assert len(sent) == 1 and isinstance(sent[0], Immediate)
+    err = sent[0].error
+    assert (err.status, err.code, err.retry_after) == (429, "ttft_budget_exceeded", 1)
+    assert late.terminal == "refused" and router.accounting.terminal["refused"] == 1
+    assert not router.scheduler.queue and late.ticket.engine is None
 
 
 def test_requests_ahead_in_prefill_count_as_the_decodes_they_become():

@@ -281,11 +281,13 @@ class Exchange:
         return self._upstream()
 
     def dispatched_from_queue(self) -> list[Action]:
-        """The scheduler placed this queued request: what sends it upstream. Run in
-        another exchange's or a background loop's turn, so a failure here must end this
-        request alone."""
+        """The scheduler placed this queued request: what sends it upstream (or, where
+        the queue gave it up, its refusal). Run in another exchange's or a background
+        loop's turn, so a failure here must end this request alone."""
         if self.phase is not Phase.QUEUED or self.terminal is not None:
             return []
+        if self.ticket is not None and self.ticket.refusal is not None:
+            return self._refuse(self.ticket.refusal)
         try:
             self._arm(self.deadline)
             return self._upstream()

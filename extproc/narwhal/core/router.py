@@ -112,8 +112,8 @@ class Router:
         return self.clock() - self.heartbeat <= window
 
     def pump(self) -> None:
-        """Place what the queue holds where slots are free; the placed wait in
-        ``dispatched`` until an adapter takes them."""
+        """Place what the queue holds where slots are free; the placed (and the given
+        up, ``Ticket.refusal``) wait in ``dispatched`` until an adapter takes them."""
         placed = self.scheduler.pump(self.clock())
         if placed:
             self.dispatched.extend(placed)

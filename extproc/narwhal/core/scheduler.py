@@ -57,6 +57,8 @@ class Ticket:
     # Ranked engines Envoy may retry on if ``engine`` does not answer (endpoint picker).
     fallbacks: tuple[EngineState, ...] = ()
     failover: bool = False  # served by a fallback: its TTFT is no sample of either engine
+    # Set when the queue gives the request up: no engine can meet its budget any more.
+    refusal: HttpError | None = None
 
 
 DRAIN_WINDOW = 64  # dispatches from the queue that set its measured drain rate
@@ -245,7 +247,10 @@ class Scheduler:
         return self.queue[0]  # FIFO
 
     def pump(self, now: float) -> list[Ticket]:
-        """Dispatch queued tickets, in order, while an engine has a slot."""
+        """Dispatch queued tickets, in order, while an engine has a slot. Predictive
+        admission gives up a queued request once no engine could meet its budget any
+        more (``Ticket.refusal``, a 429 with the overrun): placed, it would be served late
+        on capacity that later requests need in budget. Both kinds come back, in order."""
         out: list[Ticket] = []
         if not self.queue:
             return out
@@ -254,13 +259,15 @@ class Scheduler:
         while self.queue:
             t = self._next_queued()
             projections = [project(e, t, now=now) for e in engines]
-            # Wait for a slot where the budget can be met while one exists; once no engine
-            # could meet it any more, waiting helps no one: the best slot now.
+            allowed = [c for c in projections
+                       if t.candidates is None or c.engine.endpoint in t.candidates]
             waited = now - t.arrival
-            keep = predictive and any(
-                waited + c.ttft_margin_s <= t.budget_s for c in projections
-                if t.candidates is None or c.engine.endpoint in t.candidates)
-            if self._place(t, now, projections, keep) is None:
+            best = min((c.ttft_margin_s for c in allowed), default=None)
+            if predictive and best is not None and waited + best > t.budget_s:
+                t.refusal = errors.projected_over_budget(waited + best, t.budget_s)
+            # Wait for a slot where the budget can be met; in open mode, once none could
+            # meet it, the best slot now.
+            elif self._place(t, now, projections, predictive and best is not None) is None:
                 break
             self.queue.remove(t)
             self.queued_tokens -= t.tokens
