@@ -224,6 +224,32 @@ def test_projected_over_budget_is_429_with_rounded_overrun(predictive):
     assert all(f.result().status_code == 200 for f in ahead)
 
 
+def test_predictive_admission_holds_a_request_past_twice_the_verified_backlog(predictive):
+    """The admission hold through Envoy: with a backlog on the engine (its first token
+    held by the simulator's gate), a request that would take the backlog past twice the
+    largest one a first token was measured behind waits in the queue though a prefill
+    slot is free; the held first token, once released, verifies more and the request
+    goes."""
+    wait_for(predictive, lambda s: s["requests"]["in_flight"] == 0)
+    verified = status(predictive)["engines"][0]["verified_work"]
+    assert verified > 0
+    sim = f"http://127.0.0.1:{predictive.sims[0].port}"
+    generous = {"x-slo-ttft-ms": "60000"}
+    size = int(1.2 * verified)  # one fits within twice the verified backlog, two do not
+    assert httpx.post(f"{sim}/sim/hold", json={"hold": True}).status_code == 200
+    try:
+        first = background(predictive, {"messages": prompt(size), "max_tokens": 2}, generous)
+        wait_for(predictive, lambda s: s["engines"][0]["prefill"] == 1)
+        second = background(predictive, {"messages": prompt(size), "max_tokens": 2}, generous)
+        st = wait_for(predictive, lambda s: s["requests"]["queued"] == 1)
+        assert st["engines"][0]["prefill"] == 1  # slots free (8): held, not slot-bound
+        assert st["engines"][0]["prefill_work"] <= 2 * verified
+    finally:
+        httpx.post(f"{sim}/sim/hold", json={"hold": False})
+    assert first.result().status_code == 200 and second.result().status_code == 200
+    assert status(predictive)["engines"][0]["verified_work"] >= size
+
+
 def test_predictions_track_measurements(predictive):
     wait_for(predictive, lambda s: s["requests"]["in_flight"] == 0)
     # A generous budget: this is about the projections, not admission. (With the

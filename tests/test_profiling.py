@@ -139,3 +139,22 @@ def test_a_drifted_engine_is_profiled_again_before_new_work(engines):
     assert e.model.drift_resets == 1 and i < 12, i
     # measured again, unless it is the only engine that can serve (no outage for drift)
     assert e.profiled is (engines == 1)
+
+
+def test_profile_probes_count_as_uncached_prompts_sent_to_the_engine():
+    """The engine's prefix-cache counters count the probes' prompts (never cached: a
+    fresh nonce first), so the predicted hit rate must count them too, or an engine
+    profiled within a window reads as over-predicted by the probes' share."""
+    from narwhal.core.profiling import Measurement
+
+    r = _router()
+    e = r.engines[0]
+    assert e.prefix.capacity > 0
+    r.learning.probe(e, Measurement(1000, 0.1), 0.0, 0)
+    e.prompt_sent(1000, 0.8)  # then a request placed with 80% of its prompt indexed
+    # the engine saw 2000 prompt tokens and 800 hits: 0.4, as the index now says
+    assert (e.index_tokens, e.index_cached_tokens) == (2000, 800)
+    off = Router(parse({"engines": [{"name": "e", "url": "http://127.0.0.1:1"}],
+                        "scheduler": {"prefix_index_blocks": 0}}), clock=lambda: 100.0)
+    off.learning.probe(off.engines[0], Measurement(1000, 0.1), 0.0, 0)
+    assert off.engines[0].index_tokens == 0  # no index: nothing it is judged on

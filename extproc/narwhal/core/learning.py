@@ -72,6 +72,8 @@ class Learning:
     def probe(self, e: EngineState, m: Measurement, work_ahead: float, decodes: int) -> None:
         e.model.observe_ttft(work_ahead + m.prompt_tokens, decodes, m.ttft_s)
         e.verified_work = max(e.verified_work, work_ahead + m.prompt_tokens)
+        if e.prefix.capacity or e.kv is not None:  # what the prefix index is judged on
+            e.prompt_sent(m.prompt_tokens, 0.0)
         for seconds in m.intervals:
             e.model.observe_interval(decodes + 1, seconds)
 

@@ -202,9 +202,7 @@ class Scheduler:
         t.work = picked.work
         t.predicted_cached = round(picked.cached * t.tokens)
         if t.blocks or t.prompt_ids:
-            e.predicted_hit_rate += 0.05 * (picked.cached - e.predicted_hit_rate)
-            e.index_tokens += t.tokens
-            e.index_cached_tokens += t.tokens * picked.cached
+            e.prompt_sent(t.tokens, picked.cached)
         if e.kv is not None:
             e.kv.dispatched(now)
         _book(e, t)
