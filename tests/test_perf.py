@@ -126,3 +126,19 @@ def test_a_profile_and_a_few_loaded_samples_project_more_work_as_longer():
             projections = [m.ttft_s(work, decodes) for work in (2000, 10000, 40000)]
             assert projections == sorted(projections) and projections[0] > 0.05, (
                 seed, decodes, projections)
+
+
+def test_the_step_is_the_gap_between_first_tokens_a_waiting_request_saw():
+    m = PerfModel(prefill_tps=2000, tpot_ms=20, overhead_ms=10)
+    assert m.step_s == 0.0
+    m.observe_first_token(10.0, dispatched_at=9.0)
+    m.observe_first_token(10.001, dispatched_at=9.5)  # the same step: not a gap
+    m.observe_first_token(10.6, dispatched_at=9.8)  # waited across 10.0: one step
+    assert m.step_s == pytest.approx(0.6, abs=0.002)
+    m.observe_first_token(11.2, dispatched_at=10.7)  # dispatched after 10.6: not a step
+    assert m.step_s == pytest.approx(0.6, abs=0.002)
+    for k in range(1, 9):  # the engine's steps shorten: the median follows
+        m.observe_first_token(11.2 + 0.2 * k, dispatched_at=10.9 + 0.2 * k)
+    assert m.step_s == pytest.approx(0.2)
+    m.observe_first_token(12.84, dispatched_at=12.0)  # within a quarter step: same step
+    assert m.step_s == pytest.approx(0.2)

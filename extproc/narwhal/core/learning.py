@@ -36,6 +36,7 @@ class Learning:
     def first_token(self, t: Ticket, now: float) -> None:
         e = t.engine
         assert e is not None
+        e.model.observe_first_token(now, t.dispatched_at)  # a step of the engine that served
         if t.failover:  # its wait includes the failed attempt: no sample of this engine
             return
         resets = e.model.drift_resets

@@ -46,6 +46,8 @@ DRIFT_RUN = 8
 TPOT_WINDOW = 256
 HIT_EWMA = 0.2
 MIN_TTFT_S = 0.001
+STEP_WINDOW = 8  # gaps between first-token steps whose median is the step's length
+SAME_STEP = 0.25  # first tokens closer than this share of a step left the same step
 
 
 class WindowFit:
@@ -221,6 +223,8 @@ class PerfModel:
     _hits: tuple[float, float] | None = None  # last scraped (queries, hits)
     _since_reset: int = DRIFT_MIN_SAMPLES  # (the seeds may be judged at once)
     _run: int = 0  # the latest samples' errors all of one sign: how many, signed
+    _first_at: float | None = None  # the latest first token
+    _steps: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
 
     def __post_init__(self) -> None:
         # Wide priors (a step of 1 s, 10 s per 1000 tokens are within one deviation): the
@@ -274,6 +278,28 @@ class PerfModel:
             self.drift_resets += 1
             self._since_reset = 0
         return err
+
+    @property
+    def step_s(self) -> float:
+        """How long one of the engine's prefill steps lasts: the median of the recent gaps
+        between first tokens that a waiting request saw (0 before any)."""
+        steps = sorted(self._steps)
+        return steps[len(steps) // 2] if steps else 0.0
+
+    def observe_first_token(self, now: float, dispatched_at: float) -> None:
+        """A first token at ``now`` of a request dispatched at ``dispatched_at``.
+
+        Why: first tokens leave the engine at the ends of its steps. The gap from the
+        previous first token to this one, for a request that was already waiting there
+        when the previous one came, spans at least one whole step of the engine under
+        load (first tokens of one step arrive together and count as one)."""
+        last = self._first_at
+        if last is not None and now - last < max(0.002, SAME_STEP * self.step_s):
+            self._first_at = now  # the same step
+            return
+        if last is not None and dispatched_at < last:
+            self._steps.append(now - last)
+        self._first_at = now
 
     def observe_interval(self, decodes: int, seconds: float) -> None:
         if seconds > 0:

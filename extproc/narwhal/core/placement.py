@@ -33,9 +33,20 @@ class Candidate:
     @property
     def ttft_margin_s(self) -> float:
         """The projection with the engine's admission margin: what is promised (looked
-        up once per decision: admission, filters and scorers all ask)."""
+        up once per decision: admission, filters and scorers all ask). With prefills
+        already waiting on the engine, at least one whole step of it more than projected:
+        a request that arrives as a long step begins waits it out, and its own prefill
+        lands a step later each time the work ahead crosses the step's token budget,
+        neither of which a fit that is linear in the work ahead sees. On an engine whose
+        step is short against the budget the calibration's margin is the larger; on one
+        whose loaded step is most of the budget (an l4 at 12x dilation: ~0.65 of 1 s) this
+        is what keeps the promise."""
         if self._margin_s < 0:
-            self._margin_s = self.ttft_s * self.engine.calibration.factor(self.ttft_s)
+            e = self.engine
+            margin = self.ttft_s * e.calibration.factor(self.ttft_s)
+            if e.prefill:
+                margin = max(margin, self.ttft_s + e.model.step_s)
+            self._margin_s = margin
         return self._margin_s
 
 
