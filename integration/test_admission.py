@@ -250,6 +250,31 @@ def test_predictive_admission_holds_a_request_past_twice_the_verified_backlog(pr
     assert status(predictive)["engines"][0]["verified_work"] >= size
 
 
+@pytest.fixture(scope="module")
+def fresh_engine():
+    yield from _stack(
+        [SimSpec("prefill", args=["--prefill-tps", "2000", "--tpot-ms", "5"])],
+        {"admission": {"mode": "predictive", "ttft_target_ms": 1000},
+         "scheduler": {"max_prefill_per_engine": 8}},
+        engine_seed={"prefill_tps": 2000.0})
+
+
+def test_an_engine_step_is_learned_from_first_tokens_a_waiting_request_saw(fresh_engine):
+    """Three long prompts at once: the engine prefills them in steps of its token budget,
+    so a later one's first token comes a step after an earlier one's, while it waited
+    there. That gap is the engine's step on /status, which admission adds to the
+    projection of a request that finds prefills waiting. (The profile's probes are sent
+    one at a time, each at the previous one's first token: they teach no step.)"""
+    wait_for(fresh_engine, lambda s: s["engines"][0]["profiled"])
+    assert status(fresh_engine)["engines"][0]["step_ms"] == 0
+    generous = {"x-slo-ttft-ms": "60000"}
+    futures = [background(fresh_engine, {"messages": prompt(1500), "max_tokens": 2}, generous)
+               for _ in range(3)]
+    assert all(f.result().status_code == 200 for f in futures)
+    engine = status(fresh_engine)["engines"][0]
+    assert engine["step_ms"] > 0, engine
+
+
 def test_predictions_track_measurements(predictive):
     wait_for(predictive, lambda s: s["requests"]["in_flight"] == 0)
     # A generous budget: this is about the projections, not admission. (With the
