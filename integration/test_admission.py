@@ -7,7 +7,7 @@ import itertools
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -176,14 +176,20 @@ def test_bad_deadline_header_is_400(short_wait):
 
 # -- predictive admission -------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def predictive():
+def predictive_stack(prefill_slots: int = 8, **admission: int) -> Iterator[Stack]:
+    """One simulated engine prefilling 2000 tokens/s, predictive admission with a 1 s
+    budget (each fixture below its own stack: some tests need an engine nothing has
+    taught yet)."""
     yield from _stack(
         [SimSpec("prefill", args=["--prefill-tps", "2000", "--tpot-ms", "5"])],
-        {"admission": {"mode": "predictive", "ttft_target_ms": 1000},
-         "scheduler": {"max_prefill_per_engine": 8}},
-        engine_seed={"prefill_tps": 2000.0},
-    )
+        {"admission": {"mode": "predictive", "ttft_target_ms": 1000, **admission},
+         "scheduler": {"max_prefill_per_engine": prefill_slots}},
+        engine_seed={"prefill_tps": 2000.0})
+
+
+@pytest.fixture(scope="module")
+def predictive():
+    yield from predictive_stack()
 
 
 _PROMPTS = itertools.count()
@@ -252,11 +258,7 @@ def test_predictive_admission_holds_a_request_past_twice_the_verified_backlog(pr
 
 @pytest.fixture(scope="module")
 def fresh_engine():
-    yield from _stack(
-        [SimSpec("prefill", args=["--prefill-tps", "2000", "--tpot-ms", "5"])],
-        {"admission": {"mode": "predictive", "ttft_target_ms": 1000},
-         "scheduler": {"max_prefill_per_engine": 8}},
-        engine_seed={"prefill_tps": 2000.0})
+    yield from predictive_stack()
 
 
 def test_an_engine_step_is_learned_from_first_tokens_a_waiting_request_saw(fresh_engine):
@@ -292,11 +294,7 @@ def test_predictions_track_measurements(predictive):
 
 @pytest.fixture(scope="module")
 def one_slot():
-    yield from _stack(
-        [SimSpec("prefill", args=["--prefill-tps", "2000", "--tpot-ms", "5"])],
-        {"admission": {"mode": "predictive", "ttft_target_ms": 1000, "max_wait_ms": 30000},
-         "scheduler": {"max_prefill_per_engine": 1}},
-        engine_seed={"prefill_tps": 2000.0})
+    yield from predictive_stack(1, max_wait_ms=30000)
 
 
 def test_a_queued_request_whose_budget_no_engine_can_meet_any_more_is_refused(one_slot):
