@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/narwhal demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check extproc tests integration bench scripts
+	$(BIN)/ruff check extproc tests integration bench scripts conftest.py
 
 $(HELM):
 	$(PYTHON) scripts/fetch_helm.py .tools/bin
