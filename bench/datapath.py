@@ -57,14 +57,30 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def tree_cpu(pid: int) -> float:
-    """A process and its children's CPU (vllm-router's launcher runs the router)."""
-    total = cpu_seconds(pid)
+def io_calls(pid: int) -> int:
+    """Read- and write-type system calls the process has made (``/proc/PID/io``): how
+    many messages each socket read and write carries, which is what sets the per-event
+    cost of the event loop."""
+    calls = 0
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith(("syscr:", "syscw:")):
+            calls += int(line.split()[1])
+    return calls
+
+
+def _tree(pid: int, own: Callable[[int], float]) -> float:
+    """``own`` summed over a process and its children (vllm-router's launcher runs the
+    router; Narwhal's scheduler starts its workers)."""
+    total = own(pid)
     for child in Path(f"/proc/{pid}/task").glob("*/children"):
         for c in child.read_text().split():
             with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-                total += tree_cpu(int(c))
+                total += _tree(int(c), own)
     return total
+
+
+def tree_cpu(pid: int) -> float:
+    return _tree(pid, cpu_seconds)
 
 
 @dataclass
@@ -78,6 +94,7 @@ class Route:
     alone: frozenset[str] = frozenset()  # roles charged without their children
     rps: list[float] = field(default_factory=list)
     cpu_us: dict[str, list[float]] = field(default_factory=dict)  # role -> per unit
+    syscalls: dict[str, list[float]] = field(default_factory=dict)  # role -> per unit
     errors: int = 0
 
 
@@ -160,16 +177,20 @@ def measure(paths: list[Route], body: dict, connections: int, units_per_request:
         wrk(p.url + path, body, 1, connections, workdir)
     for _ in range(args.reps):
         for p in paths:
-            def cpu(role: str, pid: int, p: Route = p) -> float:
-                return cpu_seconds(pid) if role in p.alone else tree_cpu(pid)
+            def usage(role: str, pid: int, p: Route = p) -> tuple[float, float]:
+                if role in p.alone:
+                    return cpu_seconds(pid), io_calls(pid)
+                return tree_cpu(pid), _tree(pid, io_calls)
 
-            c0 = {role: cpu(role, pid) for role, pid in p.pids.items()}
+            before = {role: usage(role, pid) for role, pid in p.pids.items()}
             n, rps, bad = wrk(p.url + path, body, args.duration, connections, workdir)
             p.errors += bad
             p.rps.append(rps)
+            units = max(1, n * units_per_request)
             for role, pid in p.pids.items():
-                used = cpu(role, pid) - c0[role]
-                p.cpu_us.setdefault(role, []).append(used / max(1, n * units_per_request) * 1e6)
+                (cpu0, calls0), (cpu1, calls1) = before[role], usage(role, pid)
+                p.cpu_us.setdefault(role, []).append((cpu1 - cpu0) / units * 1e6)
+                p.syscalls.setdefault(role, []).append((calls1 - calls0) / units)
 
 
 @dataclass
@@ -180,11 +201,13 @@ class Row:
     rate: float
     cpu: dict[str, float]  # role -> median µs per unit
     errors: int
+    syscalls: dict[str, float] = field(default_factory=dict)  # role -> median per unit
 
 
 def rows_of(workload: str, unit: str, paths: list[Route], per_unit: int) -> list[Row]:
     return [Row(workload, unit, p.name, statistics.median(p.rps) * per_unit,
-                {role: statistics.median(v) for role, v in p.cpu_us.items()}, p.errors)
+                {role: statistics.median(v) for role, v in p.cpu_us.items()}, p.errors,
+                {role: statistics.median(v) for role, v in p.syscalls.items()})
             for p in paths]
 
 
@@ -197,6 +220,7 @@ def run_workload(sim: SimSpec, workloads: list[tuple[str, dict, int, int]],
             for p in paths:
                 p.rps.clear()
                 p.cpu_us.clear()
+                p.syscalls.clear()
                 p.errors = 0
             measure(paths, body, connections, per_unit, args, workdir)
             rows += rows_of(name, "token event" if per_unit > 1 else "request", paths, per_unit)
@@ -244,6 +268,11 @@ def workers_line(rows: list[Row]) -> list[str]:
         out.append(f"workers 2 vs 1, {workload}: {b:.1f} vs {a:.1f} us per {one.unit} "
                    f"({b / a - 1:+.0%}); the scheduler process {sched:.1f} us of it, the "
                    f"workers {b - sched:.1f} us ({(b - sched) / a - 1:+.0%} of one process)")
+        if "narwhal" in one.syscalls and "narwhal" in two.syscalls:
+            workers = two.syscalls["narwhal"] - two.syscalls["scheduler"]
+            out.append(f"  socket reads and writes per {one.unit}: one process "
+                       f"{one.syscalls['narwhal']:.2f}, the workers {workers:.2f}, the "
+                       f"scheduler {two.syscalls['scheduler']:.2f}")
     return ["", *out] if out else []
 
 
