@@ -33,6 +33,8 @@ def test_body_must_be_an_object(http):
     ({"messages": "hello"}, "messages"),
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content[0].text"),
     ({"messages": MSGS, "stream": "yes"}, "stream"),
     ({"messages": MSGS, "max_tokens": "ten"}, "max_tokens"),
     ({"messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens"),

@@ -42,6 +42,9 @@ REFUSALS: list[tuple[str, dict[str, Any]]] = [
     ("max-tokens-over-context", {"max_tokens": 5000}),
     ("negative-temperature", {"max_tokens": 2, "temperature": -1}),
     ("stream-interval-zero", {"max_tokens": 2, "stream_interval": 0}),
+    ("seed-past-int64", {"max_tokens": 2, "seed": 2**64}),
+    ("text-part-not-a-string", {"max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": 5}]}]}),
 ]
 
 

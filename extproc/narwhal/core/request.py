@@ -96,6 +96,9 @@ def _messages_bytes(messages: Any) -> int:
                 text = part.get("text")
                 if isinstance(text, str):
                     total += len(text.encode())
+                elif part["type"] == "text":  # sized, indexed and templated as text
+                    raise invalid_request(f"'{param}.content[{j}].text' must be a string",
+                                          f"{param}.content[{j}].text")
         elif content is not None:
             raise invalid_request(f"'{param}.content' must be a string, an array or null",
                                   f"{param}.content")

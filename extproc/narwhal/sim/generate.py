@@ -183,6 +183,16 @@ def _validate(body: dict[str, Any], opts: SimOptions, prompt_tokens: int, chat: 
     if model not in (None, opts.model):
         raise SimRequestError(f"The model `{model}` does not exist.", "model", 404,
                               "NotFoundError")
+    seed = body.get("seed")
+    # orjson reads an integer past 64 bits as a float (-2**63 - 1 becomes -2.0**63)
+    if (isinstance(seed, float) and seed.is_integer() and abs(seed) >= 2**63
+            or isinstance(seed, int) and not -2**63 <= seed < 2**63):
+        kind, bound = (("less_than_equal", "less than or equal to 9223372036854775807")
+                       if seed > 0 else
+                       ("greater_than_equal", "greater than or equal to -9223372036854775808"))
+        raise SimRequestError(
+            f"1 validation error:\n  {{'type': '{kind}', 'loc': 'body.seed', 'msg': "
+            f"'Input should be {bound}'}}", "body.seed", kind="Bad Request")
     interval = _int(body, "stream_interval")
     if interval is not None and interval < 1:
         raise SimRequestError(
@@ -208,6 +218,20 @@ def _validate(body: dict[str, Any], opts: SimOptions, prompt_tokens: int, chat: 
         raise SimRequestError("top_logprobs requires logprobs", "top_logprobs")
 
 
+def _validate_content_parts(messages: object) -> None:
+    """vLLM validates every content part against its part types and refuses, before any
+    template, a text part whose text is not a string (a 400 without ``param``)."""
+    for m in messages if isinstance(messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            if (isinstance(part, dict) and part.get("type") == "text"
+                    and not isinstance(part.get("text"), str)):
+                raise SimRequestError(
+                    f"validation errors for ValidatorIterator\n"
+                    f"{i}.ChatCompletionContentPartTextParam.text\n"
+                    f"  Input should be a valid string")
+
+
 def _logprob_request(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
     if chat:
         return bool(body.get("logprobs")), int(body.get("top_logprobs") or 0)
@@ -222,6 +246,8 @@ def make_plan(body: dict[str, Any], opts: SimOptions, fault: str | None,
     chat = "messages" in body
     if not chat and "prompt" not in body:
         raise SimRequestError("either messages or prompt is required", "messages")
+    if chat:  # before the template renders the parts
+        _validate_content_parts(body["messages"])
     text = _render(body)
     prompt = body.get("prompt")
     token_prompt = isinstance(prompt, list) and all(isinstance(p, int) for p in prompt)
