@@ -40,6 +40,7 @@ def test_body_must_be_an_object(http):
     ({"messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": MSGS, "return_token_ids": 1}, "return_token_ids"),
     ({"messages": MSGS, "stream_options": {"include_usage": "y"}}, "stream_options.include_usage"),
+    ({"messages": MSGS, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": MSGS, "n": "2"}, "n"),
     ({"messages": MSGS, "model": 7}, "model"),
     ({"messages": MSGS, "tools": {"type": "function"}}, "tools"),

@@ -27,6 +27,12 @@ def test_valid_chat():
     assert req.prompt_bytes == 3
 
 
+def test_integer_fields_take_integral_floats_as_vllm_does():
+    req = parse({"model": "m", "messages": MSGS, "max_tokens": 2.0, "n": 1.0,
+                 "stream_options": {}})
+    assert req.max_tokens == 2 and isinstance(req.max_tokens, int)
+
+
 def test_missing_model_means_the_configured_one():
     assert parse({"messages": MSGS}).chat
 
@@ -46,6 +52,11 @@ def test_missing_model_means_the_configured_one():
      "tools[0].function.name"),
     ({"model": "m", "messages": MSGS, "modalities": ["audio"]}, 400, "modalities"),
     ({"model": "m", "messages": MSGS, "stream_options": []}, 400, "stream_options"),
+    # vLLM refuses options for a stream the client did not ask for
+    ({"model": "m", "messages": MSGS, "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ({"model": "m", "messages": MSGS, "max_tokens": 1.5}, 400, "max_tokens"),
+    ({"model": "m", "messages": MSGS, "n": 2.0}, 400, "n"),
 ])
 def test_errors(body, status, param):
     e = err(body)
@@ -78,7 +89,7 @@ def test_completions_prompt_forms():
 
 
 def test_upstream_rewrite_keeps_other_fields():
-    req = parse({"model": "m", "messages": MSGS, "temperature": 0.25, "stream": False,
+    req = parse({"model": "m", "messages": MSGS, "temperature": 0.25, "stream": True,
                  "stream_options": {"include_usage": False, "x": 1}, "custom": {"k": [1]}})
     up = orjson.loads(upstream_body(req, token_ids=True))
     assert up["stream"] is True and up["stream_options"] == {"include_usage": True, "x": 1}

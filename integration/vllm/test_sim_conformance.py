@@ -43,8 +43,32 @@ REFUSALS: list[tuple[str, dict[str, Any]]] = [
     ("negative-temperature", {"max_tokens": 2, "temperature": -1}),
     ("stream-interval-zero", {"max_tokens": 2, "stream_interval": 0}),
     ("seed-past-int64", {"max_tokens": 2, "seed": 2**64}),
+    ("seed-fractional", {"max_tokens": 2, "seed": 1.5}),
+    ("temperature-not-a-number", {"max_tokens": 2, "temperature": "hot"}),
+    ("top-p-over-one", {"max_tokens": 2, "top_p": 2}),
+    ("top-k-negative", {"max_tokens": 2, "top_k": -5}),
+    ("stop-not-a-string", {"max_tokens": 2, "stop": 5}),
+    ("frequency-penalty-over-two", {"max_tokens": 2, "frequency_penalty": 5}),
+    ("presence-penalty-under-minus-two", {"max_tokens": 2, "presence_penalty": -3}),
+    ("user-not-a-string", {"max_tokens": 2, "user": 5}),
+    ("min-tokens-over-max", {"max_tokens": 2, "min_tokens": 5}),
     ("text-part-not-a-string", {"max_tokens": 2, "messages": [
         {"role": "user", "content": [{"type": "text", "text": 5}]}]}),
+    ("part-not-an-object", {"max_tokens": 2, "messages": [{"role": "user", "content": [5]}]}),
+    ("image-on-a-text-model", {"max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}),
+    ("user-content-null", {"max_tokens": 2, "messages": [{"role": "user", "content": None}]}),
+]
+TEXT_REFUSALS: list[tuple[str, dict[str, Any]]] = [
+    ("empty-prompt", {"prompt": ""}),
+    ("no-prompts", {"prompt": []}),
+    ("negative-token-id", {"prompt": [-1]}),
+    ("suffix", {"prompt": "The narwhal", "suffix": "x"}),
+]
+# Accepted by both: integral floats for integer fields (pydantic's lax mode).
+ACCEPTED: list[tuple[str, dict[str, Any]]] = [
+    ("max-tokens-integral-float", {"max_tokens": 2.0}),
+    ("empty-stream-options", {"max_tokens": 2, "stream_options": {}}),
 ]
 
 
@@ -190,6 +214,30 @@ def test_refusals_before_the_stream(engines, name, extra, stream):
     assert set(sim[0]["error"]) == set(vllm[0]["error"])
     assert (sim[0]["error"]["param"], sim[0]["error"]["type"]) == (
         vllm[0]["error"]["param"], vllm[0]["error"]["type"])
+
+
+@pytest.mark.parametrize("name,extra", TEXT_REFUSALS, ids=[r[0] for r in TEXT_REFUSALS])
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+def test_text_refusals_before_the_stream(engines, name, extra, stream):
+    (vs, vllm), (ss, sim) = _both(engines, "tools", TEXT, {"max_tokens": 2} | extra, stream)
+    assert vs == ss == 400
+    assert (sim[0]["error"]["param"], sim[0]["error"]["type"]) == (
+        vllm[0]["error"]["param"], vllm[0]["error"]["type"])
+
+
+def test_stream_options_without_a_stream_are_refused(engines):
+    (vs, vllm), (ss, sim) = _both(engines, "tools", CHAT, {
+        "messages": MSGS, "max_tokens": 2, "stream_options": {"include_usage": True}}, False)
+    assert vs == ss == 400
+    assert (sim[0]["error"]["param"], sim[0]["error"]["type"]) == (
+        vllm[0]["error"]["param"], vllm[0]["error"]["type"]) == ("stream_options",
+                                                                 "BadRequestError")
+
+
+@pytest.mark.parametrize("name,extra", ACCEPTED, ids=[r[0] for r in ACCEPTED])
+def test_lax_values_are_accepted(engines, name, extra):
+    (vs, _), (ss, _) = _both(engines, "tools", CHAT, {"messages": MSGS} | extra, False)
+    assert vs == ss == 200
 
 
 def test_unknown_model(engines):

@@ -53,8 +53,14 @@ class CompletionRequest:
         return prompt[0] if prompt and isinstance(prompt[0], str) else ""
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _as_int(v: Any) -> int | None:
+    """An integer field's value as vLLM's validation reads it: an integer, or a float
+    with nothing after the point (``2.0`` is 2; ``1.5`` and Booleans are not integers)."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return None
 
 
 def _opt_bool(body: dict[str, Any], key: str, param: str | None = None) -> bool:
@@ -70,9 +76,10 @@ def _opt_positive_int(body: dict[str, Any], key: str) -> int | None:
     v = body.get(key)
     if v is None:
         return None
-    if not _is_int(v) or v < 1:
+    n = _as_int(v)
+    if n is None or n < 1:
         raise invalid_request(f"'{key}' must be a positive integer", key)
-    return v
+    return n
 
 
 def _messages_bytes(messages: Any) -> int:
@@ -113,7 +120,7 @@ def _prompt_bytes(prompt: Any) -> int:
             if len(prompt) > 1:
                 raise sampling_width("prompt", len(prompt))
             return len(prompt[0].encode())
-        if all(_is_int(p) and p >= 0 for p in prompt):
+        if all(type(p) is int and p >= 0 for p in prompt):  # token IDs (not Booleans)
             return 4 * len(prompt)
         if all(isinstance(p, list) for p in prompt):
             raise sampling_width("prompt", len(prompt)) if len(prompt) > 1 else invalid_request(
@@ -215,14 +222,15 @@ def parse_request(path: str, raw: bytes, model: str) -> CompletionRequest:
         if not isinstance(options, dict):
             raise invalid_request("'stream_options' must be an object", "stream_options")
         include_usage = _opt_bool(options, "include_usage", "stream_options.include_usage")
+        # vLLM's own rule (an empty object passes); Narwhal streams from the engine
+        # either way, so without it the engine would never see what the client sent
+        if options and not stream:
+            raise invalid_request("Stream options can only be defined when `stream=True`.",
+                                  "stream_options")
     for key in ("n", "best_of"):
-        value = body.get(key)
-        if value is None:
-            continue
-        if not _is_int(value) or value < 1:
-            raise invalid_request(f"'{key}' must be a positive integer", key)
-        if value > 1:
-            raise sampling_width(key, value)
+        width = _opt_positive_int(body, key)
+        if width is not None and width > 1:
+            raise sampling_width(key, width)
     max_tokens = _opt_positive_int(body, "max_tokens")
     max_completion = _opt_positive_int(body, "max_completion_tokens")
     return_ids = _opt_bool(body, "return_token_ids")

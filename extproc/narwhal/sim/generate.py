@@ -168,13 +168,69 @@ def count_prompt_tokens(text: str) -> int:
     return max(1, (len(text.encode()) + 3) // 4)
 
 
+def _pydantic(loc: str, kind: str, msg: str) -> SimRequestError:
+    """A refusal of vLLM's request validation (pydantic): its message shape, ``param``
+    the field's dotted location, type ``Bad Request``."""
+    return SimRequestError(f"1 validation error:\n  {{'type': '{kind}', 'loc': '{loc}', "
+                           f"'msg': '{msg}'}}", loc, kind="Bad Request")
+
+
 def _int(body: dict[str, Any], key: str) -> int | None:
+    """An integer field as pydantic's lax mode reads it (``2.0`` is 2)."""
     value = body.get(key)
     if value is None:
         return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise SimRequestError(f"{key} must be an integer", key)
+        if isinstance(value, float):
+            raise _pydantic(f"body.{key}", "int_from_float",
+                            "Input should be a valid integer, got a number with a fractional part")
+        raise _pydantic(f"body.{key}", "int_type", "Input should be a valid integer")
     return value
+
+
+def _number(body: dict[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise _pydantic(f"body.{key}", "float_parsing",
+                        "Input should be a valid number, unable to parse string as a number")
+    return float(value)
+
+
+def _validate_sampling(body: dict[str, Any], chat: bool) -> None:
+    """vLLM's checks of the sampling fields, in its order, with its wording."""
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
+        raise _pydantic("body.stop", "string_type", "Input should be a valid string")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _pydantic("body.user", "string_type", "Input should be a valid string")
+    if body.get("stream_options") and not body.get("stream"):
+        raise SimRequestError("Stream options can only be defined when `stream=True`.",
+                              "stream_options")
+    if not chat and body.get("suffix") is not None:
+        raise SimRequestError("suffix is only supported for models with FIM completion "
+                              "rendering", "suffix")
+    for key in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, key)
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise SimRequestError(f"{key} must be in [-2, 2], got {value}.")
+    top_p = _number(body, "top_p")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise SimRequestError(f"top_p must be in (0, 1], got {top_p}. (parameter=top_p, "
+                              f"value={top_p})", "top_p")
+    top_k = _int(body, "top_k")
+    if top_k is not None and top_k < -1:
+        raise SimRequestError(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+    min_tokens = _int(body, "min_tokens")
+    cap = _int(body, "max_completion_tokens") or _int(body, "max_tokens")
+    if min_tokens is not None and cap is not None and min_tokens > cap:
+        raise SimRequestError(f"min_tokens must be less than or equal to max_tokens={cap}, "
+                              f"got {min_tokens}")
 
 
 def _validate(body: dict[str, Any], opts: SimOptions, prompt_tokens: int, chat: bool) -> None:
@@ -199,8 +255,9 @@ def _validate(body: dict[str, Any], opts: SimOptions, prompt_tokens: int, chat: 
             "1 validation error:\n  {'type': 'greater_than_equal', 'loc': "
             "'body.stream_interval', 'msg': 'Input should be greater than or equal to 1'}",
             "body.stream_interval", kind="Bad Request")
-    temperature = body.get("temperature")
-    if isinstance(temperature, int | float) and temperature < 0:
+    _int(body, "seed")
+    temperature = _number(body, "temperature")
+    if temperature is not None and temperature < 0:
         raise SimRequestError(f"temperature must be non-negative, got {float(temperature)}. "
                               f"(parameter=temperature, value={float(temperature)})", "temperature")
     for key in ("max_completion_tokens", "max_tokens"):
@@ -216,20 +273,42 @@ def _validate(body: dict[str, Any], opts: SimOptions, prompt_tokens: int, chat: 
         break
     if chat and body.get("logprobs") is False and body.get("top_logprobs"):
         raise SimRequestError("top_logprobs requires logprobs", "top_logprobs")
+    _validate_sampling(body, chat)
 
 
-def _validate_content_parts(messages: object) -> None:
-    """vLLM validates every content part against its part types and refuses, before any
-    template, a text part whose text is not a string (a 400 without ``param``)."""
-    for m in messages if isinstance(messages, list) else ():
-        content = m.get("content") if isinstance(m, dict) else None
-        for i, part in enumerate(content if isinstance(content, list) else ()):
-            if (isinstance(part, dict) and part.get("type") == "text"
-                    and not isinstance(part.get("text"), str)):
-                raise SimRequestError(
-                    f"validation errors for ValidatorIterator\n"
-                    f"{i}.ChatCompletionContentPartTextParam.text\n"
-                    f"  Input should be a valid string")
+def _validate_messages(messages: object, model: str) -> None:
+    """What vLLM refuses in messages before any template: a user, system or developer
+    message whose content is null (a present key: an absent one passes), a content part
+    that is not an object or a text part whose text is not a string (400s without
+    ``param``), and any part but text on a text-only model."""
+    for i, m in enumerate(messages if isinstance(messages, list) else ()):
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        if "content" in m and content is None and m.get("role") in (
+                "user", "system", "developer"):
+            raise _pydantic(f"body.messages.{i}.ChatCompletionDeveloperMessageParam.content",
+                            "string_type", "Input should be a valid string")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if not isinstance(part, dict) or (part.get("type") == "text"
+                                              and not isinstance(part.get("text"), str)):
+                raise SimRequestError(f"validation errors for ValidatorIterator\n"
+                                      f"{j}.ChatCompletionContentPartTextParam.text\n"
+                                      f"  Input should be a valid string")
+            if part.get("type") != "text":
+                raise SimRequestError(f"{model} is not a multimodal model")
+
+
+def _validate_prompt(prompt: object) -> None:
+    """vLLM's refusals of an empty prompt and of negative token IDs."""
+    if prompt == []:
+        raise SimRequestError("You must pass at least one prompt")
+    if prompt == "":
+        raise SimRequestError("Either prompt or prompt_embeds must be provided and non-empty.",
+                              "prompt")
+    if isinstance(prompt, list) and any(isinstance(p, int) and p < 0 for p in prompt):
+        raise _pydantic("body.prompt.0", "greater_than_equal",
+                        "Input should be greater than or equal to 0")
 
 
 def _logprob_request(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
@@ -247,7 +326,9 @@ def make_plan(body: dict[str, Any], opts: SimOptions, fault: str | None,
     if not chat and "prompt" not in body:
         raise SimRequestError("either messages or prompt is required", "messages")
     if chat:  # before the template renders the parts
-        _validate_content_parts(body["messages"])
+        _validate_messages(body["messages"], opts.model)
+    else:
+        _validate_prompt(body["prompt"])
     text = _render(body)
     prompt = body.get("prompt")
     token_prompt = isinstance(prompt, list) and all(isinstance(p, int) for p in prompt)
@@ -261,7 +342,9 @@ def make_plan(body: dict[str, Any], opts: SimOptions, fault: str | None,
         seed = zlib.crc32(orjson.dumps(body.get("messages", body.get("prompt")),
                                        option=orjson.OPT_SORT_KEYS))
     rng = random.Random(seed)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _int(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens")
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else [s for s in stop or () if isinstance(s, str)]
     tools = body.get("tools") or []
