@@ -5,6 +5,7 @@ in time (this is the fuzz run CI does)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import orjson
@@ -16,7 +17,7 @@ from narwhal.core.assembly import Assembler
 from narwhal.core.errors import HttpError
 from narwhal.core.exchange import Exchange
 from narwhal.core.meter import EngineOutputError, Meter
-from narwhal.core.request import parse_request
+from narwhal.core.request import parse_request, upstream_body
 from narwhal.core.router import Router
 from narwhal.core.sse import SSEError, SSEParser
 from narwhal.core.tokens import TokenIdError
@@ -88,6 +89,18 @@ def test_request_validation_answers_or_refuses(body, path):
         assert exc.status in (400, 404)
     else:
         assert req.chat == (path == "/v1/chat/completions")
+
+
+@SETTINGS
+@given(st.dictionaries(st.sampled_from(["seed", "top_k", "x_custom", "logit_bias"]),
+                       st.integers() | st.lists(st.integers(), max_size=3), max_size=4),
+       st.sampled_from([", ", ","]))
+def test_every_integer_reaches_the_engine_as_sent(fields, separator):
+    """Whatever their size: fields Narwhal does not interpret are forwarded exactly."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | fields
+    raw = json.dumps(body, separators=(separator, ":")).encode()
+    up = json.loads(upstream_body(parse_request("/v1/chat/completions", raw, "m"), False))
+    assert {k: up[k] for k in fields} == fields
 
 
 @SETTINGS

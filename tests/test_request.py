@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import orjson
 import pytest
 
@@ -25,6 +27,20 @@ def test_valid_chat():
                  "stream_options": {"include_usage": True}, "max_tokens": 5})
     assert req.chat and req.stream and req.include_usage and req.max_tokens == 5
     assert req.prompt_bytes == 3
+
+
+def test_integers_past_64_bits_reach_the_engine_as_the_client_wrote_them():
+    raw = (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+           b'"seed": 18446744073709551616, "logit_bias": {"7": -92233720368547758090}, '
+           b'"temperature": 0.5, "stream": true}')
+    req = parse_request("/v1/chat/completions", raw, "m")
+    up = upstream_body(req, token_ids=True)
+    assert b'"seed":18446744073709551616' in up and b"-92233720368547758090" in up
+    assert json.loads(up) == json.loads(raw) | {
+        "stream_options": {"include_usage": True}, "return_token_ids": True,
+        "stream_interval": 1}
+    # the usual body keeps the fast path
+    assert parse({"model": "m", "messages": MSGS, "seed": 2**40}).wide is None
 
 
 def test_integer_fields_take_integral_floats_as_vllm_does():

@@ -6,6 +6,8 @@ engine's business and is forwarded exactly as sent.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +20,12 @@ COMPLETIONS_PATH = "/v1/completions"
 COMPLETION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
 TOOL_CHOICE_WORDS = frozenset({"none", "auto", "required"})
 MAX_DEPTH = 254  # orjson's serialisation limit
+# orjson reads an integer past 64 bits as a float: 2**64 would reach the engine as
+# 1.8446744073709552e+19 (vLLM then refuses another value than the client sent). Any
+# such literal has 19 digits or more; a body with a run that long (in a string too:
+# a false alarm only costs the exact path) is re-read and re-written by the standard
+# library, whose integers are exact.
+_WIDE_INTEGER = re.compile(rb"[0-9]{19}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +43,9 @@ class CompletionRequest:
     # drops an echoed prompt, and under a tool or reasoning parser ``include_reasoning:
     # false`` nulls every event's IDs. Such requests are metered from the engine's usage.
     ids_compatible: bool = True
+    # The client's bytes, kept only when they may hold an integer orjson cannot keep
+    # exact (``_WIDE_INTEGER``): the upstream body is then written from them.
+    wide: bytes | None = None
 
     def prompt_text(self) -> str:
         """The prompt's text parts, for a tokenizer (token-ID prompts have none)."""
@@ -246,13 +257,14 @@ def parse_request(path: str, raw: bytes, model: str) -> CompletionRequest:
         return_token_ids=return_ids, prompt_bytes=prompt_bytes,
         max_tokens=max_completion if max_completion is not None else max_tokens,
         ids_compatible=not echo and include_reasoning,
+        wide=raw if _WIDE_INTEGER.search(raw) else None,
     )
 
 
 def upstream_body(req: CompletionRequest, token_ids: bool) -> bytes:
     """The engine-bound body: always a usage-reporting stream, IDs where the dialect has them
     (``token_ids``: the engine's dialect supplies them and the request allows them)."""
-    body = dict(req.body)
+    body = dict(req.body) if req.wide is None else json.loads(req.wide)
     body["stream"] = True
     options = body.get("stream_options")
     body["stream_options"] = (dict(options) if isinstance(options, dict) else {}) | {
@@ -260,6 +272,8 @@ def upstream_body(req: CompletionRequest, token_ids: bool) -> bytes:
     if token_ids:
         body["return_token_ids"] = True
         body["stream_interval"] = 1
-    return orjson.dumps(body)
+    if req.wide is None:
+        return orjson.dumps(body)
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
