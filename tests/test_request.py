@@ -43,6 +43,11 @@ def test_integers_past_64_bits_reach_the_engine_as_the_client_wrote_them():
     assert parse({"model": "m", "messages": MSGS, "seed": 2**40}).wide is None
 
 
+def test_prompt_logprobs_pass_where_the_engine_can_serve_them():
+    assert parse({"model": "m", "messages": MSGS, "prompt_logprobs": 0}).body["prompt_logprobs"] == 0
+    assert parse({"model": "m", "messages": MSGS, "stream": True, "prompt_logprobs": 2}).stream
+
+
 def test_integer_fields_take_integral_floats_as_vllm_does():
     req = parse({"model": "m", "messages": MSGS, "max_tokens": 2.0, "n": 1.0,
                  "stream_options": {}})
@@ -72,6 +77,8 @@ def test_missing_model_means_the_configured_one():
     ({"model": "m", "messages": MSGS, "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ({"model": "m", "messages": MSGS, "max_tokens": 1.5}, 400, "max_tokens"),
+    ({"model": "m", "messages": MSGS, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ({"model": "m", "messages": MSGS, "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     ({"model": "m", "messages": MSGS, "n": 2.0}, 400, "n"),
 ])
 def test_errors(body, status, param):

@@ -282,6 +282,26 @@ def test_engine_error_before_the_stream(tools_pair, name, path, extra, stream):
     assert after["invalid_requests"] == before["invalid_requests"] + 1
 
 
+@pytest.mark.parametrize("path,body", [
+    (CHAT, {"messages": MSGS, "max_tokens": 2, "prompt_logprobs": 1}),
+    (TEXT, {"prompt": "The narwhal", "max_tokens": 2, "prompt_logprobs": 1})])
+def test_non_streaming_prompt_logprobs_are_refused_by_narwhal_not_the_engine(tools_pair, path,
+                                                                            body):
+    """vLLM serves them only without a stream, and Narwhal reads the engine's stream: a
+    clear 400 naming the field, instead of vLLM's "not available when stream=True" for a
+    request the client sent without a stream."""
+    body = {"model": SERVED_MODEL} | body
+    before = tools_pair.stack_counts()
+    with tools_pair.direct() as d, tools_pair.routed() as r:
+        assert d.post(path, json=body).status_code == 200
+        routed = r.post(path, json=body)
+    assert routed.status_code == 400
+    assert routed.json()["error"]["param"] == "prompt_logprobs"
+    assert "non-streaming" in routed.json()["error"]["message"]
+    after = tools_pair.stack_counts()
+    assert after["invalid_requests"] == before["invalid_requests"] + 1
+
+
 def test_openai_client_sees_engine_refusal_as_bad_request(tools_pair):
     with pytest.raises(openai.BadRequestError) as info:
         tools_pair.openai().chat.completions.create(

@@ -238,6 +238,14 @@ def parse_request(path: str, raw: bytes, model: str) -> CompletionRequest:
         if options and not stream:
             raise invalid_request("Stream options can only be defined when `stream=True`.",
                                   "stream_options")
+    prompt_logprobs = _as_int(body.get("prompt_logprobs"))
+    if not stream and prompt_logprobs is not None and (prompt_logprobs > 0
+                                                       or prompt_logprobs == -1):
+        # vLLM computes them only for a non-streaming request, and Narwhal always asks
+        # the engine for a stream (it would answer "not available when stream=True")
+        raise invalid_request("'prompt_logprobs' is not supported for non-streaming requests: "
+                              "Narwhal assembles the response from the engine's stream, "
+                              "which does not carry them", "prompt_logprobs")
     for key in ("n", "best_of"):
         width = _opt_positive_int(body, key)
         if width is not None and width > 1:
