@@ -41,6 +41,11 @@ def test_defaults():
     ({"router": {"role": "leader"}}, "router.role"),
     ({"engines": [{"name": "a"}]}, "engines[0].url: required"),
     ({"engines": [{"name": "a", "url": "ftp://x"}]}, "engines[0].url: expected http"),
+    # what urllib raises on (a broken IPv6 literal, a port out of range or not a number)
+    ({"engines": [{"name": "a", "url": "http://[::1"}]}, "engines[0].url: expected http"),
+    ({"engines": [{"name": "a", "url": "http://h:99999"}]}, "engines[0].url: expected http"),
+    ({"engines": [{"name": "a", "url": "http://h:port"}]}, "engines[0].url: expected http"),
+    ({"engines": [{"name": "a", "url": "http://h:0"}]}, "engines[0].url: expected http"),
     ({"engines": [{"name": "a", "url": "http://h:1", "dialect": "tgi"}]}, "engines[0].dialect"),
     ({"engines": [{"name": "a", "url": "http://h:1"}, {"name": "a", "url": "http://h:2"}]},
      "duplicate engine name"),

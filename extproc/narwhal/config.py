@@ -322,8 +322,12 @@ def _engines(data: Any) -> tuple[EngineConfig, ...]:
     engines = []
     for i, item in enumerate(data):
         eng = _build(EngineConfig, item, f"engines[{i}]")
-        parts = urlsplit(eng.url)
-        if parts.scheme != "http" or not parts.hostname:
+        try:  # urlsplit raises on a broken IPv6 literal, .port on a bad port
+            parts = urlsplit(eng.url)
+            valid = parts.scheme == "http" and bool(parts.hostname) and parts.port != 0
+        except ValueError:
+            valid = False
+        if not valid:
             raise ConfigError(f"engines[{i}].url: expected http://host:port, got {eng.url!r}")
         if eng.dialect not in CHOICES["engines.dialect"]:
             raise ConfigError(f"engines[{i}].dialect: must be one of vllm, openai, got {eng.dialect!r}")
