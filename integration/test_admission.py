@@ -383,6 +383,11 @@ def test_bad_admin_calls_are_400_with_a_reason(pair):
     assert resp.status_code == 400 and resp.json() == {"error": "unknown engine 'zz'"}
     resp = admin(pair, "POST", "/admin/maintenance", {"engines": []})
     assert resp.status_code == 400 and "engines" in resp.json()["error"]
+    for raw in (b"{nope", b"[" * 20_000 + b"]" * 20_000):  # nested past any parser's depth
+        resp = admin(pair, "POST", "/admin/maintenance", content=raw,
+                     headers={"content-type": "application/json"})
+        assert resp.status_code == 400 and resp.json() == {"error": "body must be JSON"}
+    assert not any(e["maintenance"] for e in status(pair)["engines"])
 
 
 def test_fenced_router_refuses(pair):
