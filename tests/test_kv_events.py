@@ -103,6 +103,7 @@ def test_integer_hashes_and_unknown_event_types_are_accepted():
 
 @pytest.mark.parametrize("payload, message", [
     (b"\xc1", "not msgpack"),
+    (b"\x91" * 100_000 + b"\xc0", "not msgpack"),  # nested past the decoder's depth
     (msgspec.msgpack.encode({"a": 1}), "batch must be"),
     (batch(stored([b"a"], None, [1, 2, 3, 4], size=0)), "block_size"),
     (batch(stored([b"a"], None, [1, 2, 3, 4], size=True)), "block_size"),

@@ -106,7 +106,7 @@ def decode_batch(payload: bytes) -> list[KvEvent]:
     """A published batch (``[ts, [events...], dp_rank?]``) as events, in order."""
     try:
         raw = _DECODER.decode(payload)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # nested past msgspec's depth
         raise KvEventError(f"not msgpack: {exc}") from None
     if not (isinstance(raw, list) and len(raw) >= 2 and isinstance(raw[1], list)):
         raise KvEventError("a batch must be [ts, [events...]]")
