@@ -5,10 +5,13 @@ the same path against vLLM itself."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +21,7 @@ from narwhal.core.kv_events import KvBlocks, KvEventError, chain, decode_batch
 from narwhal.core.placement import project
 from narwhal.core.router import Router
 from narwhal.core.scheduler import Ticket
+from narwhal.server import kv_events as loop_module
 
 BS = 4  # a small block size keeps the token lists readable
 
@@ -234,3 +238,44 @@ def test_with_events_overdue_and_no_index_the_engines_hit_rate_is_the_estimate()
     now[0] += 6.0  # events overdue: neither the reported blocks nor an index can say
     c = project(e, t, now=now[0])
     assert c.cached == 0.0 and c.work == pytest.approx(50.0)
+
+
+def test_a_subscriber_that_fails_subscribes_again(monkeypatch):
+    """An unforeseen failure while reading (here injected once into the pool) must not
+    end the engine's events: the loop subscribes again and reads the next batches."""
+    monkeypatch.setattr(loop_module, "RESUBSCRIBE_S", (0.01, 0.01))
+    ctx = zmq.asyncio.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    router = Router(parse({"engines": [
+        {"name": "a", "url": "http://127.0.0.1:1", "kv_events": f"tcp://127.0.0.1:{port}"}]}))
+    e = router.engines[0]
+    real = router.pool.observe_kv_events
+    failures = []
+
+    def fail_once(*args, **kw):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected")
+        real(*args, **kw)
+
+    monkeypatch.setattr(router.pool, "observe_kv_events", fail_once)
+
+    async def run() -> None:
+        task = asyncio.ensure_future(loop_module.kv_events_loop(router, e))
+        seq = 0
+        while e.kv.batches == 0:  # a PUB socket drops what no subscriber holds yet
+            assert not task.done()
+            await pub.send_multipart([b"", seq.to_bytes(8, "big"),
+                                      batch(stored([b"a"], None, list(range(BS))))])
+            seq += 1
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(run())
+    finally:
+        pub.close(linger=0)
+    assert failures and e.kv.batches >= 1

@@ -26,7 +26,31 @@ MAX_PAYLOAD = 16 * 1024 * 1024
 RCV_HWM = 10_000
 
 
+RESUBSCRIBE_S = (1.0, 30.0)  # the first and the longest wait before subscribing again
+
+
 async def kv_events_loop(router: Router, engine: EngineState) -> None:
+    """Subscribe until the engine has no KV state any more. A subscriber that fails for a
+    reason nobody foresaw subscribes again after a backoff (meanwhile, and until its
+    events are live again, the engine's prefix is the approximate index's): the failure
+    must neither take the router down nor end the engine's events for good."""
+    wait = RESUBSCRIBE_S[0]
+    while True:
+        try:
+            await _subscribe(router, engine)
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("engine %s: KV event subscriber failed; subscribing again in "
+                          "%.0f s", engine.name, wait)
+        await asyncio.sleep(wait)
+        wait = min(RESUBSCRIBE_S[1], 2 * wait)
+
+
+async def _subscribe(router: Router, engine: EngineState) -> None:
+    """Read the engine's events until it has no KV state (returns) or something fails
+    (raises)."""
     ctx = zmq.asyncio.Context.instance()
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD)
@@ -52,9 +76,5 @@ async def kv_events_loop(router: Router, engine: EngineState) -> None:
                 if warned < 10:  # an engine that keeps sending garbage does not flood logs
                     warned += 1
                     log.warning("engine %s: unreadable KV event batch: %s", engine.name, exc)
-    except asyncio.CancelledError:
-        raise
-    except Exception:  # the subscriber must never take the router down
-        log.exception("engine %s: KV event subscriber failed", engine.name)
     finally:
         sock.close(linger=0)
