@@ -253,6 +253,10 @@ def test_parse_vllm_metrics():
             'num_gpu_blocks="1000",prefix_caching_hash_algo="sha256"} 1.0\n'
             'vllm:cache_config_info{block_size="x",num_gpu_blocks="9"} 1.0\n')
     assert parse_vllm_metrics(info) == {"kv_capacity_tokens": 16000.0}
+    hostile = ('vllm:prefix_cache_queries_total NaN\nvllm:prefix_cache_hits_total +Inf\n'
+               'vllm:num_requests_waiting -3\nvllm:kv_cache_usage_perc 1e999\n'
+               'vllm:num_requests_running 2\n')
+    assert parse_vllm_metrics(hostile) == {"running": 2.0}
 
 
 def test_the_prefix_index_is_bounded_by_the_engines_cache():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 
 import aiohttp
@@ -53,6 +54,11 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         try:
             value = float(line.rsplit(" ", 1)[1])
         except (ValueError, IndexError):
+            continue
+        # Every series read here is a count or a share: a NaN, an infinity or a negative
+        # value is an engine's bug, and taken as is it would poison the projections (a
+        # NaN hit rate makes every projection NaN, and NaN is never over a budget).
+        if not 0.0 <= value < math.inf:
             continue
         out[attr] = out.get(attr, 0.0) + value
     return out
