@@ -56,8 +56,9 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         except (ValueError, IndexError):
             continue
         # Every series read here is a count or a share: a NaN, an infinity or a negative
-        # value is an engine's bug, and taken as is it would poison the projections (a
-        # NaN hit rate makes every projection NaN, and NaN is never over a budget).
+        # value is an engine's bug, and taken as is it would do lasting harm (a NaN KV
+        # usage fails the kv-headroom filter; one NaN counter makes every later delta of
+        # the hit rate NaN, so it never learns again).
         if not 0.0 <= value < math.inf:
             continue
         out[attr] = out.get(attr, 0.0) + value
