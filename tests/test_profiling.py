@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
+import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from narwhal.config import parse
 from narwhal.core.meter import EngineOutputError
@@ -13,6 +16,8 @@ from narwhal.core.profiling import BACKOFF_S, PROBE_PROMPTS, ProbeRun, Profiler
 from narwhal.core.router import Router
 from narwhal.core.scheduler import Ticket
 from narwhal.core.tokens import TokenIdError
+from narwhal.launch import free_port
+from narwhal.server.profiling import _max_model_len
 
 
 def event(ids: object, text: str = " x") -> bytes:
@@ -158,3 +163,33 @@ def test_profile_probes_count_as_uncached_prompts_sent_to_the_engine():
                         "scheduler": {"prefix_index_blocks": 0}}), clock=lambda: 100.0)
     off.learning.probe(off.engines[0], Measurement(1000, 0.1), 0.0, 0)
     assert off.engines[0].index_tokens == 0  # no index: nothing it is judged on
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    (b'{"data": [{"id": "m", "max_model_len": 2048}]}', 2048),
+    (b"[" * 50_000 + b"]" * 50_000, None),  # nested past any parser's depth
+    (b'{"data": [{"max_model_len": "' + b"9" * 3_000_000 + b'"}]}', None),  # over the bound
+    (b'{"data": []}', None),
+])
+def test_an_engines_model_card_is_read_bounded(body, expected):
+    """What an engine's /v1/models says only sets the probes' prompt limit: an odd or
+    hostile answer gives no limit, and never fails the profile."""
+    async def models(_: web.Request) -> web.Response:
+        return web.Response(body=body)
+
+    async def run() -> int | None:
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        router = Router(parse({"engines": [{"name": "a", "url": f"http://127.0.0.1:{port}"}]}))
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await _max_model_len(router.engines[0], session,
+                                            aiohttp.ClientTimeout(total=10))
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(run()) == expected

@@ -8,6 +8,7 @@ import asyncio
 import logging
 
 import aiohttp
+import orjson
 
 from ..core.engines import EngineState
 from ..core.meter import EngineOutputError
@@ -15,6 +16,7 @@ from ..core.profiling import Measurement, Probe, ProbeRun, Profiler
 from ..core.router import Router
 
 log = logging.getLogger("narwhal.profiling")
+MAX_MODELS_BYTES = 1024 * 1024  # of an engine's /v1/models answer (vLLM's: well under 1 KB)
 
 
 async def profile_engine(router: Router, engine: EngineState, profiler: Profiler,
@@ -89,7 +91,10 @@ async def _max_model_len(engine: EngineState, session: aiohttp.ClientSession,
         async with session.get(url, timeout=timeout) as resp:
             if resp.status != 200:
                 return None
-            card = (await resp.json(content_type=None))["data"][0]
+            raw = await resp.content.read(MAX_MODELS_BYTES)
+        # bounded, and orjson's depth limit: an engine's odd model card costs its prompt
+        # size limit, never its profile
+        card = orjson.loads(raw)["data"][0]
     except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
         return None
     value = card.get("max_model_len") if isinstance(card, dict) else None
