@@ -225,6 +225,32 @@ def test_text_refusals_before_the_stream(engines, name, extra, stream):
         vllm[0]["error"]["param"], vllm[0]["error"]["type"])
 
 
+BODY_REFUSALS: list[tuple[str, dict[str, str], bytes]] = [
+    ("text-plain", {"content-type": "text/plain"}, b'{"messages": []}'),
+    ("no-content-type", {}, b'{"messages": []}'),
+    ("not-json", {"content-type": "application/json"}, b"{nope"),
+    ("not-an-object", {"content-type": "application/json"}, b"[1, 2]"),
+    ("empty", {"content-type": "application/json"}, b""),
+    ("not-utf-8", {"content-type": "application/json"}, b'{"model": "\xf8"}'),
+]
+
+
+@pytest.mark.parametrize("name,headers,raw", BODY_REFUSALS, ids=[r[0] for r in BODY_REFUSALS])
+def test_bodies_vllm_cannot_read_are_refused_alike(engines, name, headers, raw):
+    answers = []
+    for url in engines["tools"]:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            resp = c.post(CHAT, content=raw, headers=headers)
+            answers.append((resp.status_code, resp.json()))
+    (vs, vllm), (ss, sim) = answers
+    assert vs == ss == 400
+    if "error" in vllm:
+        assert (sim["error"]["param"], sim["error"]["type"]) == (
+            vllm["error"]["param"], vllm["error"]["type"])
+    else:  # FastAPI's own answer, before vLLM's handlers
+        assert sim == vllm
+
+
 def test_stream_options_without_a_stream_are_refused(engines):
     (vs, vllm), (ss, sim) = _both(engines, "tools", CHAT, {
         "messages": MSGS, "max_tokens": 2, "stream_options": {"include_usage": True}}, False)

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from array import array
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -210,16 +211,15 @@ class Engine:
                 raise SimRequestError(f"unknown x-sim-fault {fault!r}", None)
             if output is not None and output not in OUTPUTS:
                 raise SimRequestError(f"unknown x-sim-output {output!r}", None)
-            body = orjson.loads(raw)
-            if not isinstance(body, dict):
-                raise SimRequestError("body must be a JSON object")
+            body = _json_body(request.content_type, raw)
             is_chat = request.path.endswith("/chat/completions")
             if is_chat != ("messages" in body):
                 raise SimRequestError("messages is required" if is_chat else "prompt is required",
                                       "messages" if is_chat else "prompt")
             plan = make_plan(body, self.opts, fault, output)
-        except orjson.JSONDecodeError as exc:
-            return _error(SimRequestError(f"invalid JSON body: {exc}"))
+        except UnicodeDecodeError:  # what FastAPI answers before vLLM's handlers run
+            return web.json_response({"detail": "There was an error parsing the body"},
+                                     status=400)
         except SimRequestError as exc:
             return _error(exc)
         if plan.stream_error is not None and not plan.stream:
@@ -278,6 +278,29 @@ class Engine:
             if seq is not None:
                 self._retire(seq)
         return resp
+
+
+def _json_body(content_type: str, raw: bytes) -> dict[str, Any]:
+    """The request body as vLLM's API server reads it: JSON only (else 400), and its
+    validation's wording for a body that is not one object."""
+    if content_type != "application/json":
+        raise SimRequestError("1 validation error:\n  Unsupported Media Type: Only "
+                              "'application/json' is allowed", kind="Bad Request")
+    if not raw:
+        raise SimRequestError("1 validation error:\n  {'type': 'missing', 'loc': 'body', "
+                              "'msg': 'Field required'}", "body", kind="Bad Request")
+    raw.decode("utf-8")  # UnicodeDecodeError: FastAPI's own answer
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise SimRequestError(f"1 validation error:\n  {{'type': 'json_invalid', 'loc': "
+                              f"'body.{exc.pos}', 'msg': 'JSON decode error'}}",
+                              f"body.{exc.pos}", kind="Bad Request") from None
+    if not isinstance(body, dict):
+        raise SimRequestError("1 validation error:\n  {'type': 'model_attributes_type', "
+                              "'loc': 'body', 'msg': 'Input should be a valid dictionary or "
+                              "object to extract fields from'}", "body", kind="Bad Request")
+    return body
 
 
 def _error(exc: SimRequestError) -> web.Response:
