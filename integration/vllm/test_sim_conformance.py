@@ -206,6 +206,16 @@ def test_logprobs_limit_refusal(engines, stream):
     assert sim[0]["error"]["code"] == vllm[0]["error"]["code"] == 400
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+def test_out_of_vocabulary_token_refusal(engines, stream):
+    """vLLM refuses a token-ID prompt past its vocabulary inside an opened stream, or with a
+    400 (both vocabularies are far below this ID)."""
+    body = {"prompt": [5, 10**9], "max_tokens": 2}
+    (vs, vllm), (ss, sim) = _both(engines, "tools", TEXT, body, stream=stream)
+    assert vs == ss == (200 if stream else 400)
+    assert sim == vllm  # the envelope, and [DONE] after it in a stream
+
+
 @pytest.mark.parametrize("name,extra", REFUSALS, ids=[r[0] for r in REFUSALS])
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
 def test_refusals_before_the_stream(engines, name, extra, stream):

@@ -38,6 +38,7 @@ VOCAB = tuple(
     .split()
 )
 TOKEN_ID_BASE = 1000
+VOCAB_SIZE = 32768  # the simulated model's vocabulary: token-ID prompts must be under it
 MARKUP_ID = 7  # the id of tool-call markup tokens (``<tool_call>``, ``</tool_call>``)
 SYSTEM_FINGERPRINT = "vllm-0.32.0-narwhalsim"
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
@@ -394,7 +395,11 @@ def make_plan(body: dict[str, Any], opts: SimOptions, fault: str | None,
         kind = zlib.crc32(orjson.dumps(first.get("content") if isinstance(first, dict)
                                        else first)) % 4
         plan.natural_median = opts.natural_output * (0.5, 1.0, 1.5, 2.0)[kind]
-    if logprobs and top > MAX_LOGPROBS:
+    beyond = next((i for i in prompt_ids if i >= VOCAB_SIZE), None) if token_prompt else None
+    if beyond is not None:
+        # vLLM checks this after a stream has opened too (a 400 without one)
+        plan.stream_error = SimRequestError(f"Token id {beyond} is out of vocabulary")
+    elif logprobs and top > MAX_LOGPROBS:
         # vLLM checks this in its engine, after a stream has opened.
         plan.stream_error = SimRequestError(
             f"Requested sample logprobs of {top}, which is greater than max allowed: "
