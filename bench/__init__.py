@@ -1,0 +1,30 @@
+"""Benchmarks: the data path (``bench.datapath``), one message in process
+(``bench.messages``) and scheduling (``bench.scheduling``)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def scratch(prefix: str) -> Iterator[Path]:
+    """One temporary directory for a run, holding every stack's logs and Unix sockets
+    (``tempfile.tempdir`` points into it meanwhile): removed when the run ends, kept with
+    its path printed when it fails (the logs are what one reads then)."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    saved = tempfile.tempdir
+    tempfile.tempdir = str(root)
+    try:
+        yield root
+    except BaseException:
+        print(f"bench: logs kept in {root}", file=sys.stderr)
+        raise
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    finally:
+        tempfile.tempdir = saved

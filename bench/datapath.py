@@ -41,6 +41,7 @@ from pathlib import Path
 
 import orjson
 
+from bench import scratch
 from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, plain_envoy, wait_http
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -333,15 +334,16 @@ def main() -> int:
     if shutil.which("wrk") is None:
         print("bench: wrk not found (apt-get install wrk)", file=sys.stderr)
         return 2
-    workdir = Path(tempfile.mkdtemp(prefix="narwhal-bench-"))
     short = {"model": MODEL, "max_tokens": 16,
              "messages": [{"role": "user", "content": "hello there"}]}
-    rows = run_workload(SimSpec("instant"), [
-        ("non-streaming", short | {"stream": False}, args.connections, 1),
-        ("streaming", short | {"stream": True}, args.connections, 1)], args, workdir)
     paced = short | {"stream": True, "max_tokens": PACED_TOKENS}
-    rows += run_workload(SimSpec("paced", args=["--tpot-ms", "5", "--max-num-seqs", "1024"]),
-                         [("paced streams", paced, PACED_CLIENTS, PACED_TOKENS)], args, workdir)
+    with scratch("narwhal-bench-") as workdir:
+        rows = run_workload(SimSpec("instant"), [
+            ("non-streaming", short | {"stream": False}, args.connections, 1),
+            ("streaming", short | {"stream": True}, args.connections, 1)], args, workdir)
+        rows += run_workload(
+            SimSpec("paced", args=["--tpot-ms", "5", "--max-num-seqs", "1024"]),
+            [("paced streams", paced, PACED_CLIENTS, PACED_TOKENS)], args, workdir)
     loop = os.environ.get("NARWHAL_LOOP", "uvloop")
     print(f"Narwhal data-path benchmark ({os.cpu_count()} CPUs, loop {loop}, transport "
           f"{args.transport}, medians of {args.reps} x {args.duration:g}s)")

@@ -44,6 +44,7 @@ import aiohttp
 import httpx
 import orjson
 
+from bench import scratch
 from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, plain_envoy, wait_http
 from narwhal.server.telemetry import parse_vllm_metrics
 
@@ -510,12 +511,12 @@ def main() -> int:
     for p in policies:
         if p not in POLICIES:
             parser.error(f"unknown policy {p!r}; one of {', '.join(POLICIES)}")
-    workdir = Path(tempfile.mkdtemp(prefix="narwhal-sched-"))
     os.environ.setdefault("NARWHAL_LOOP", "uvloop")
     rows = []
-    for policy in policies:
-        rows += run_policy(policy, loads, args, workdir)
-    drift = run_drift(args, 1.0) if args.drift else None
+    with scratch("narwhal-sched-") as workdir:
+        for policy in policies:
+            rows += run_policy(policy, loads, args, workdir)
+        drift = run_drift(args, 1.0) if args.drift else None
     print(f"Narwhal scheduling benchmark: engines {', '.join(p for _, p in ENGINES)} at "
           f"time scale {args.time_scale:g}; TTFT budget {args.budget_ms} ms; capacity "
           f"{capacity_rps(args.time_scale):.2f} req/s (times below are GPU-equivalent)")
