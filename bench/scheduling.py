@@ -495,7 +495,7 @@ def main() -> int:
                         help="how much slower than the GPU profiles the engines run")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--drift", action="store_true", help="add the drift scenario")
-    parser.add_argument("--plot", default="bench-scheduling.png", help="PNG to write ('' none)")
+    parser.add_argument("--plot", help="write a PNG of goodput and in-budget %% against load")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--samples", default="",
                         help="a folder for each cell's per-request samples (JSON lines)")
