@@ -169,7 +169,7 @@ def count_prompt_tokens(text: str) -> int:
     return max(1, (len(text.encode()) + 3) // 4)
 
 
-def _pydantic(loc: str, kind: str, msg: str) -> SimRequestError:
+def pydantic_error(loc: str, kind: str, msg: str) -> SimRequestError:
     """A refusal of vLLM's request validation (pydantic): its message shape, ``param``
     the field's dotted location, type ``Bad Request``."""
     return SimRequestError(f"1 validation error:\n  {{'type': '{kind}', 'loc': '{loc}', "
@@ -185,10 +185,16 @@ def _int(body: dict[str, Any], key: str) -> int | None:
         return int(value)
     if not isinstance(value, int) or isinstance(value, bool):
         if isinstance(value, float):
-            raise _pydantic(f"body.{key}", "int_from_float",
+            raise pydantic_error(f"body.{key}", "int_from_float",
                             "Input should be a valid integer, got a number with a fractional part")
-        raise _pydantic(f"body.{key}", "int_type", "Input should be a valid integer")
+        raise pydantic_error(f"body.{key}", "int_type", "Input should be a valid integer")
     return value
+
+
+def _max_tokens(body: dict[str, Any]) -> int | None:
+    """The output cap: ``max_completion_tokens``, else ``max_tokens``."""
+    cap = _int(body, "max_completion_tokens")
+    return cap if cap is not None else _int(body, "max_tokens")
 
 
 def _number(body: dict[str, Any], key: str) -> float | None:
@@ -196,7 +202,7 @@ def _number(body: dict[str, Any], key: str) -> float | None:
     if value is None:
         return None
     if not isinstance(value, int | float) or isinstance(value, bool):
-        raise _pydantic(f"body.{key}", "float_parsing",
+        raise pydantic_error(f"body.{key}", "float_parsing",
                         "Input should be a valid number, unable to parse string as a number")
     return float(value)
 
@@ -206,10 +212,10 @@ def _validate_sampling(body: dict[str, Any], chat: bool) -> None:
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
-        raise _pydantic("body.stop", "string_type", "Input should be a valid string")
+        raise pydantic_error("body.stop", "string_type", "Input should be a valid string")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise _pydantic("body.user", "string_type", "Input should be a valid string")
+        raise pydantic_error("body.user", "string_type", "Input should be a valid string")
     if body.get("stream_options") and not body.get("stream"):
         raise SimRequestError("Stream options can only be defined when `stream=True`.",
                               "stream_options")
@@ -228,7 +234,7 @@ def _validate_sampling(body: dict[str, Any], chat: bool) -> None:
     if top_k is not None and top_k < -1:
         raise SimRequestError(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
     min_tokens = _int(body, "min_tokens")
-    cap = _int(body, "max_completion_tokens") or _int(body, "max_tokens")
+    cap = _max_tokens(body)
     if min_tokens is not None and cap is not None and min_tokens > cap:
         raise SimRequestError(f"min_tokens must be less than or equal to max_tokens={cap}, "
                               f"got {min_tokens}")
@@ -247,15 +253,11 @@ def _validate(body: dict[str, Any], opts: SimOptions, prompt_tokens: int, chat: 
         kind, bound = (("less_than_equal", "less than or equal to 9223372036854775807")
                        if seed > 0 else
                        ("greater_than_equal", "greater than or equal to -9223372036854775808"))
-        raise SimRequestError(
-            f"1 validation error:\n  {{'type': '{kind}', 'loc': 'body.seed', 'msg': "
-            f"'Input should be {bound}'}}", "body.seed", kind="Bad Request")
+        raise pydantic_error("body.seed", kind, f"Input should be {bound}")
     interval = _int(body, "stream_interval")
     if interval is not None and interval < 1:
-        raise SimRequestError(
-            "1 validation error:\n  {'type': 'greater_than_equal', 'loc': "
-            "'body.stream_interval', 'msg': 'Input should be greater than or equal to 1'}",
-            "body.stream_interval", kind="Bad Request")
+        raise pydantic_error("body.stream_interval", "greater_than_equal",
+                             "Input should be greater than or equal to 1")
     _int(body, "seed")
     temperature = _number(body, "temperature")
     if temperature is not None and temperature < 0:
@@ -288,7 +290,7 @@ def _validate_messages(messages: object, model: str) -> None:
         content = m.get("content")
         if "content" in m and content is None and m.get("role") in (
                 "user", "system", "developer"):
-            raise _pydantic(f"body.messages.{i}.ChatCompletionDeveloperMessageParam.content",
+            raise pydantic_error(f"body.messages.{i}.ChatCompletionDeveloperMessageParam.content",
                             "string_type", "Input should be a valid string")
         for j, part in enumerate(content if isinstance(content, list) else ()):
             if not isinstance(part, dict) or (part.get("type") == "text"
@@ -308,7 +310,7 @@ def _validate_prompt(prompt: object) -> None:
         raise SimRequestError("Either prompt or prompt_embeds must be provided and non-empty.",
                               "prompt")
     if isinstance(prompt, list) and any(isinstance(p, int) and p < 0 for p in prompt):
-        raise _pydantic("body.prompt.0", "greater_than_equal",
+        raise pydantic_error("body.prompt.0", "greater_than_equal",
                         "Input should be greater than or equal to 0")
 
 
@@ -343,9 +345,7 @@ def make_plan(body: dict[str, Any], opts: SimOptions, fault: str | None,
         seed = zlib.crc32(orjson.dumps(body.get("messages", body.get("prompt")),
                                        option=orjson.OPT_SORT_KEYS))
     rng = random.Random(seed)
-    max_tokens = _int(body, "max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens")
+    max_tokens = _max_tokens(body)
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else [s for s in stop or () if isinstance(s, str)]
     tools = body.get("tools") or []

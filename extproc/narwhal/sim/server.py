@@ -28,6 +28,7 @@ from .generate import (
     SimRequestError,
     full_response,
     make_plan,
+    pydantic_error,
     stream_events,
 )
 
@@ -287,19 +288,15 @@ def _json_body(content_type: str, raw: bytes) -> dict[str, Any]:
         raise SimRequestError("1 validation error:\n  Unsupported Media Type: Only "
                               "'application/json' is allowed", kind="Bad Request")
     if not raw:
-        raise SimRequestError("1 validation error:\n  {'type': 'missing', 'loc': 'body', "
-                              "'msg': 'Field required'}", "body", kind="Bad Request")
+        raise pydantic_error("body", "missing", "Field required")
     raw.decode("utf-8")  # UnicodeDecodeError: FastAPI's own answer
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise SimRequestError(f"1 validation error:\n  {{'type': 'json_invalid', 'loc': "
-                              f"'body.{exc.pos}', 'msg': 'JSON decode error'}}",
-                              f"body.{exc.pos}", kind="Bad Request") from None
+        raise pydantic_error(f"body.{exc.pos}", "json_invalid", "JSON decode error") from None
     if not isinstance(body, dict):
-        raise SimRequestError("1 validation error:\n  {'type': 'model_attributes_type', "
-                              "'loc': 'body', 'msg': 'Input should be a valid dictionary or "
-                              "object to extract fields from'}", "body", kind="Bad Request")
+        raise pydantic_error("body", "model_attributes_type", "Input should be a valid "
+                             "dictionary or object to extract fields from")
     return body
 
 
