@@ -17,8 +17,10 @@ the prefix index off (``-noprefix``: the open pair compares placement alone, not
 refused), predictive with the prefix-affinity scorer, predictive on two worker processes
 (``predictive-workers2``: the same decisions, served by ``serving.workers: 2``), Envoy
 round robin, and `vllm-router` (PyPI) `power_of_two` and `cache_aware`. Per policy and
-load: goodput (completed requests per second within the TTFT budget), % of admitted within
-budget, TTFT and TPOT p50/p99, refusal rate, Narwhal's TTFT prediction error p50/p90 and
+load: goodput (completed requests per second within the TTFT budget) over the cell and over
+its second half (the steady state of a sustained overload: use a long ``--duration``, as
+routers without admission serve nothing in budget once their queues are a budget deep),
+% of admitted within budget, TTFT and TPOT p50/p99, refusal rate, Narwhal's TTFT prediction error p50/p90 and
 MAPE (header x-narwhal-predicted-ttft-ms against the client's measurement) and its output
 length error (x-narwhal-predicted-output-tokens). ``--drift`` adds a run in which the
 fastest engine halves its speed a third of the way in: time until Narwhal's /status shows
@@ -226,9 +228,14 @@ def summarize(results: list[Result], duration: float, budget_s: float, scale: fl
     out_errs = [abs(r.predicted_tokens - r.tokens) / max(1, r.tokens) for r in ok
                 if r.predicted_tokens is not None]
     tpots = [r.tpot_s / scale for r in ok if r.tpot_s is not None]
+    # Sustained overload: a router without admission control looks fine while its queues
+    # fill and serves nothing in budget once they are a budget deep, so the second half of
+    # a long cell is its steady state and the whole cell partly its transient.
+    half = min((r.start for r in results), default=0.0) + duration / 2
     return {
         "offered": len(results),
         "goodput": len(good) / duration,
+        "goodput_late": sum(1 for r in good if r.start >= half) / (duration / 2),
         "in_budget": len(good) / admitted if admitted else float("nan"),
         "ttft50": quantile([r.ttft_s / scale for r in ok], 0.5),
         "ttft90": quantile([r.ttft_s / scale for r in ok], 0.9),
@@ -523,13 +530,14 @@ def main() -> int:
     print(f"reproduce: python -m bench.scheduling --duration {args.duration:g} --loads "
           f"{args.loads} --budget-ms {args.budget_ms} --time-scale {args.time_scale:g} "
           f"--policies {args.policies} --seed {args.seed}{' --drift' if args.drift else ''}")
-    print(f"{'policy':19} {'load':>4} {'req/s':>6} {'goodput':>7} {'in-budget':>9} "
+    print(f"{'policy':19} {'load':>4} {'req/s':>6} {'goodput':>7} {'2nd half':>8} {'in-budget':>9} "
           f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TPOT p50':>8} {'p99':>6} {'refused':>7} "
           f"{'pred p50/p90/MAPE':>19} {'out MAPE':>8} {'hit':>5} {'hit gap':>7}")
     for policy, load, rate, s in rows:
         err = (f"{_fmt(s['err50'], True)}/{_fmt(s['err90'], True)}/{_fmt(s['mape'], True)}"
                if s["err50"] is not None else "-")
-        print(f"{policy:19} {load:4.1f} {rate:6.2f} {s['goodput']:7.2f} {s['in_budget']:9.1%} "
+        print(f"{policy:19} {load:4.1f} {rate:6.2f} {s['goodput']:7.2f} {s['goodput_late']:8.2f} "
+              f"{s['in_budget']:9.1%} "
               f"{_fmt(s['ttft50']):>8} {_fmt(s.get('ttft90')):>7} {_fmt(s['ttft99']):>7} "
               f"{_fmt(s['tpot50']):>8} {_fmt(s['tpot99']):>6} {s['refused']:7.1%} {err:>19} "
               f"{_fmt(s['out_mape'], True):>8} {_fmt(s.get('hit'), True):>5} "

@@ -279,3 +279,15 @@ def test_a_subscriber_that_fails_subscribes_again(monkeypatch):
     finally:
         pub.close(linger=0)
     assert failures and e.kv.batches >= 1
+
+
+def test_the_resubscribe_wait_doubles_for_repeated_failures_and_starts_over_after_a_long_run():
+    first, longest = loop_module.RESUBSCRIBE_S
+    waits = [loop_module.resubscribe_wait(None, 0.0)]
+    for _ in range(8):  # failures one after another, each as soon as it subscribed
+        waits.append(loop_module.resubscribe_wait(waits[-1], 0.1))
+    assert waits[:3] == [first, 2 * first, 4 * first]
+    assert waits[-1] == longest and max(waits) == longest
+    # a subscription that ran longer than the longest wait, then failed: a new fault
+    assert loop_module.resubscribe_wait(longest, longest + 1.0) == first
+    assert loop_module.resubscribe_wait(longest, longest / 2) == longest

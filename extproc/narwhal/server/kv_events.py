@@ -34,18 +34,31 @@ async def kv_events_loop(router: Router, engine: EngineState) -> None:
     reason nobody foresaw subscribes again after a backoff (meanwhile, and until its
     events are live again, the engine's prefix is the approximate index's): the failure
     must neither take the router down nor end the engine's events for good."""
-    wait = RESUBSCRIBE_S[0]
+    loop = asyncio.get_running_loop()
+    wait: float | None = None
     while True:
+        began = loop.time()
         try:
             await _subscribe(router, engine)
             return
         except asyncio.CancelledError:
             raise
         except Exception:
+            wait = resubscribe_wait(wait, loop.time() - began)
             log.exception("engine %s: KV event subscriber failed; subscribing again in "
                           "%.0f s", engine.name, wait)
         await asyncio.sleep(wait)
-        wait = min(RESUBSCRIBE_S[1], 2 * wait)
+
+
+def resubscribe_wait(previous: float | None, ran_s: float) -> float:
+    """The wait after a failure: the first wait, doubled for each failure that follows
+    closely on the last, and the first again after a subscription that ran longer than
+    the longest wait (a new fault days later is not the old one repeating, and must not
+    cost the doubled wait)."""
+    first, longest = RESUBSCRIBE_S
+    if previous is None or ran_s > longest:
+        return first
+    return min(longest, 2 * previous)
 
 
 async def _subscribe(router: Router, engine: EngineState) -> None:
