@@ -10,6 +10,7 @@ with itself; and Narwhal's measured output tokens (``/status``) equal vLLM's
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -33,6 +34,15 @@ CLOCK = {"type": "function", "function": {
     "name": "get_time", "description": "Local time in a time zone",
     "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
                    "required": ["zone"]}}}
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Bergen"]}},
+        "required": ["city"], "additionalProperties": False}
+CITY_SCHEMA = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+YEAR = "[0-9]{4}"
+# A JSON answer as a regex: under a JSON grammar a random-weight model emits whitespace
+# until max_tokens (vLLM 0.32's `disable_any_whitespace` did not stop it), so the
+# constraint that can be checked on a finished answer is one without free whitespace.
+CITY_JSON = r'\{"city":"(Oslo|Bergen)"\}'
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,14 @@ CASES = _matrix() + [
          direct_non_streaming=False),
     Case("tools-include-reasoning-false", CHAT, {"messages": MSGS, "max_tokens": 8, "seed": 6,
                                                  "include_reasoning": False}),
+    # Structured outputs (vLLM's grammar backend constrains the sampled tokens; the
+    # events carry nothing new, but users send these every day).
+    Case("json-object", CHAT, {"messages": MSGS, "max_tokens": 24, "seed": 4,
+                               "response_format": {"type": "json_object"}}),
+    Case("json-schema", CHAT, {"messages": MSGS, "max_tokens": 40, "seed": 4,
+                               "response_format": CITY_SCHEMA}),
+    Case("text-structured-regex", TEXT, {"prompt": "Year:", "max_tokens": 8, "seed": 4,
+                                         "structured_outputs": {"regex": YEAR}}),
     Case("reasoning", CHAT, {"messages": MSGS, "max_tokens": 24, "seed": 12}, variant="reasoning"),
     Case("reasoning-ids", CHAT, {"messages": MSGS, "max_tokens": 24, "seed": 12,
                                  "return_token_ids": True}, variant="reasoning"),
@@ -307,6 +325,27 @@ def test_openai_client_sees_engine_refusal_as_bad_request(tools_pair):
         tools_pair.openai().chat.completions.create(
             model=SERVED_MODEL, messages=MSGS, max_tokens=4, logprobs=True, top_logprobs=50)
     assert "logprobs" in info.value.message
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["assembled", "streamed"])
+def test_structured_outputs_hold_through_narwhal(tools_pair, stream):
+    """vLLM's grammar backend constrains what the engine samples; through Narwhal (whose
+    upstream request is always a stream, assembled back for a non-streaming client) the
+    answer still holds the schema and the regex."""
+    client = tools_pair.openai()
+    chat = client.chat.completions.create(model=SERVED_MODEL, messages=MSGS, max_tokens=40,
+                                          seed=4, extra_body={"structured_outputs": {"regex": CITY_JSON}},
+                                          stream=stream)
+    text = client.completions.create(model=SERVED_MODEL, prompt="Year:", max_tokens=8, seed=4,
+                                     extra_body={"structured_outputs": {"regex": YEAR}},
+                                     stream=stream)
+    if stream:
+        content = "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+        digits = "".join(c.choices[0].text for c in text if c.choices)
+    else:
+        content, digits = chat.choices[0].message.content, text.choices[0].text
+    assert json.loads(content) in ({"city": "Oslo"}, {"city": "Bergen"})
+    assert re.fullmatch(YEAR, digits), digits
 
 
 def test_models_route_is_vllms(tools_pair):
