@@ -121,6 +121,17 @@ CASES = _matrix() + [
          direct_non_streaming=False),
     Case("tools-include-reasoning-false", CHAT, {"messages": MSGS, "max_tokens": 8, "seed": 6,
                                                  "include_reasoning": False}),
+    # An agent's second turn: the assistant's call (content null) and the tool's answer.
+    Case("tools-result-turn", CHAT, {"messages": MSGS + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "chatcmpl-tool-1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "Sleet, 2 C"}],
+        "tools": [WEATHER], "max_tokens": 16, "seed": 7}),
+    Case("tools-choice-none", CHAT, {"messages": MSGS, "max_tokens": 12, "seed": 7,
+                                     "tools": [WEATHER, CLOCK], "tool_choice": "none"}),
+    Case("chat-logit-bias", CHAT, {"messages": MSGS, "max_tokens": 8, "seed": 7,
+                                   "logit_bias": {"65": 100, "66": -100}}),
     # Structured outputs (vLLM's grammar backend constrains the sampled tokens; the
     # events carry nothing new, but users send these every day).
     Case("json-object", CHAT, {"messages": MSGS, "max_tokens": 24, "seed": 4,
