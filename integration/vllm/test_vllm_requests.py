@@ -121,6 +121,15 @@ CASES = _matrix() + [
          direct_non_streaming=False),
     Case("tools-include-reasoning-false", CHAT, {"messages": MSGS, "max_tokens": 8, "seed": 6,
                                                  "include_reasoning": False}),
+    # No max_tokens: vLLM's default (the rest of the context) and Narwhal's projection of it.
+    Case("chat-no-max-tokens", CHAT, {"messages": MSGS, "seed": 13}),
+    Case("chat-usage-false", CHAT, {"messages": MSGS, "max_tokens": 6, "seed": 3,
+                                    "stream_options": {"include_usage": False}}),
+    # OpenAI's newer fields: the developer role, store and metadata (vLLM ignores the last two).
+    Case("chat-developer-role", CHAT, {"messages": [{"role": "developer", "content": "Be terse."},
+                                                    MSGS[1]],
+                                       "max_tokens": 6, "seed": 3, "store": False,
+                                       "metadata": {"team": "narwhal"}}),
     # An agent's second turn: the assistant's call (content null) and the tool's answer.
     Case("tools-result-turn", CHAT, {"messages": MSGS + [
         {"role": "assistant", "content": None, "tool_calls": [
