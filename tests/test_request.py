@@ -108,6 +108,13 @@ def test_completions_prompt_forms():
     assert parse({"prompt": "abc"}, "/v1/completions").prompt_bytes == 3
     assert parse({"prompt": [1, 2, 3]}, "/v1/completions").prompt_bytes == 12
     assert err({"prompt": ["a", "b"]}, "/v1/completions").param == "prompt"
+    # a batch of one: as vLLM reads it, the one prompt
+    assert parse({"prompt": ["abcd"]}, "/v1/completions").prompt_bytes == 4
+    assert parse({"prompt": [[1, 2, 3]]}, "/v1/completions").prompt_bytes == 12
+    assert "Invalid sampling width" in err({"prompt": [[1], [2]]}, "/v1/completions").message
+    for bad in ([[]], [[1, -2]], [[1, True]], [[1, [2]]], [["a"]]):
+        e = err({"prompt": bad}, "/v1/completions")
+        assert (e.status, e.param) == (400, "prompt"), bad
     assert err({}, "/v1/completions").param == "prompt"
 
 

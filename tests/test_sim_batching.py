@@ -118,3 +118,17 @@ def test_abort_frees_blocks():
     assert s.kv_usage > 0
     s.abort(q)
     assert s.kv_usage == 0 and not s.busy()
+
+
+def test_a_batch_of_one_prompt_is_its_one_prompt_as_in_vllm():
+    from narwhal.sim.generate import SimOptions, make_plan
+
+    ids = make_plan({"model": "narwhal-sim", "prompt": [[5, 6, 7]], "max_tokens": 2}, SimOptions(),
+                    None, None)
+    assert ids.prompt_token_ids == [5, 6, 7] and ids.prompt_tokens == 3
+    text = make_plan({"model": "narwhal-sim", "prompt": ["narwhal tusk"], "max_tokens": 2}, SimOptions(),
+                     None, None)
+    flat = make_plan({"model": "narwhal-sim", "prompt": "narwhal tusk", "max_tokens": 2}, SimOptions(),
+                     None, None)
+    assert text.prompt_text == flat.prompt_text == "narwhal tusk"
+    assert text.prompt_tokens == flat.prompt_tokens

@@ -32,6 +32,10 @@ REQUESTS: list[tuple[str, str, dict[str, Any]]] = [
     ("text-ids", TEXT, {"prompt": "The narwhal", "max_tokens": 6, "return_token_ids": True}),
     ("text-logprobs", TEXT, {"prompt": "The narwhal", "max_tokens": 4, "logprobs": 2}),
     ("text-echo", TEXT, {"prompt": "The narwhal", "max_tokens": 4, "echo": True}),
+    # a batch of one prompt: the prompt itself, echoed back
+    ("text-batch-of-one", TEXT, {"prompt": ["The narwhal"], "max_tokens": 4, "echo": True}),
+    ("text-ids-batch-of-one", TEXT, {"prompt": [[12, 40, 77]], "max_tokens": 4,
+                                     "return_token_ids": True}),
     ("tools-required", CHAT, {"messages": MSGS, "max_tokens": 120, "seed": 1,
                               "tools": [WEATHER, CLOCK], "tool_choice": "required"}),
     ("tools-required-ids", CHAT, {"messages": MSGS, "max_tokens": 120, "seed": 2,

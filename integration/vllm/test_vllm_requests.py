@@ -96,6 +96,12 @@ CASES = _matrix() + [
                                  "return_token_ids": True}),
     Case("text-token-prompt", TEXT, {"prompt": [12, 40, 77, 301, 9], "max_tokens": 7, "seed": 4,
                                      "return_token_ids": True}),
+    # A batch of one prompt (how evaluation harnesses send a prompt): vLLM's one prompt.
+    Case("text-batch-of-one", TEXT, {"prompt": ["The narwhal swims"], "max_tokens": 7,
+                                     "seed": 4, "echo": True}),
+    Case("text-token-prompt-batch-of-one", TEXT, {"prompt": [[12, 40, 77, 301, 9]],
+                                                  "max_tokens": 7, "seed": 4,
+                                                  "return_token_ids": True}),
     Case("chat-long", CHAT, {"messages": MSGS, "max_tokens": 300, "seed": 8}),
     Case("tools-auto", CHAT, {"messages": MSGS, "max_tokens": 30, "seed": 9,
                               "tools": [WEATHER, CLOCK], "tool_choice": "auto"}),

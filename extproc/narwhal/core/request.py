@@ -134,8 +134,15 @@ def _prompt_bytes(prompt: Any) -> int:
         if all(type(p) is int and p >= 0 for p in prompt):  # token IDs (not Booleans)
             return 4 * len(prompt)
         if all(isinstance(p, list) for p in prompt):
-            raise sampling_width("prompt", len(prompt)) if len(prompt) > 1 else invalid_request(
-                "'prompt' token arrays must be a flat array of integers", "prompt")
+            if len(prompt) > 1:
+                raise sampling_width("prompt", len(prompt))
+            # one prompt of token IDs sent as a batch of one (vLLM takes it as the flat
+            # array; evaluation harnesses send it so)
+            ids = prompt[0]
+            if ids and all(type(p) is int and p >= 0 for p in ids):
+                return 4 * len(ids)
+            raise invalid_request("'prompt' token arrays must hold non-negative integers",
+                                  "prompt")
     raise invalid_request("'prompt' must be a string or an array of token IDs", "prompt")
 
 

@@ -328,6 +328,10 @@ def make_plan(body: dict[str, Any], opts: SimOptions, fault: str | None,
     chat = "messages" in body
     if not chat and "prompt" not in body:
         raise SimRequestError("either messages or prompt is required", "messages")
+    prompt = body.get("prompt")
+    if not chat and isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0],
+                                                                                  str | list):
+        body = body | {"prompt": prompt[0]}  # a batch of one is its one prompt, as in vLLM
     if chat:  # before the template renders the parts
         _validate_messages(body["messages"], opts.model)
     else:
