@@ -96,6 +96,17 @@ CASES = _matrix() + [
                                  "return_token_ids": True}),
     Case("text-token-prompt", TEXT, {"prompt": [12, 40, 77, 301, 9], "max_tokens": 7, "seed": 4,
                                      "return_token_ids": True}),
+    # vLLM's own sampling and template options, passed through untouched.
+    Case("chat-vllm-options", CHAT, {"messages": MSGS, "max_tokens": 10, "seed": 7,
+                                     "stop_token_ids": [65], "skip_special_tokens": False,
+                                     "chat_template_kwargs": {"enable_thinking": False}}),
+    Case("chat-openai-options", CHAT, {
+        "messages": [MSGS[0], MSGS[1] | {"name": "bob"}], "max_tokens": 10, "seed": 7,
+        "response_format": {"type": "text"}, "parallel_tool_calls": False,
+        "tools": [WEATHER | {"function": WEATHER["function"] | {"strict": True}}],
+        "tool_choice": "auto"}),
+    Case("text-echo-logprobs", TEXT, {"prompt": "Echo this", "max_tokens": 4, "seed": 2,
+                                      "echo": True, "logprobs": 1}),
     # A batch of one prompt (how evaluation harnesses send a prompt): vLLM's one prompt.
     Case("text-batch-of-one", TEXT, {"prompt": ["The narwhal swims"], "max_tokens": 7,
                                      "seed": 4, "echo": True}),
