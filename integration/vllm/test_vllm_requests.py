@@ -15,9 +15,13 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
+from narwhal.server.telemetry import parse_vllm_metrics
+
+from ..conftest import wait_for
 from .conftest import Pair
 from .engine import SERVED_MODEL
 from .wire import core, fold, normalise_events, shapes, sse, usage_of
@@ -402,3 +406,45 @@ def test_engine_cache_size_is_read_from_vllms_metrics(tools_pair):
     st = tools_pair.engine_status()
     assert st["kv_capacity_tokens"] == tokens > 0
     assert 0 < st["prefix_index_capacity"] <= 65536
+
+
+def test_a_client_that_leaves_mid_stream_leaks_nothing_on_narwhal_or_vllm(tools_pair):
+    """A client that closes its connection a few tokens into a long stream: Envoy resets
+    the engine's stream, vLLM stops the request (its own running count returns to 0 and
+    far fewer tokens than asked were made), and Narwhal gives back the request's retention
+    and engine slot and counts its end: nothing leaks on either side."""
+    before = tools_pair.status()
+    made0 = _generated(tools_pair)
+    body = {"model": SERVED_MODEL, "messages": MSGS, "max_tokens": 1800, "seed": 1,
+            "ignore_eos": True, "stream": True}
+    with tools_pair.routed() as c, c.stream("POST", CHAT, json=body) as resp:
+        assert resp.status_code == 200
+        events = 0
+        for line in resp.iter_lines():
+            events += line.startswith("data: {")
+            if events == 4:  # the role event and three carrying tokens
+                break  # leaving the blocks closes the unread response's connection
+
+    def settled() -> dict | None:
+        s = tools_pair.status()
+        e = s["engines"][0]
+        running = parse_vllm_metrics(
+            httpx.get(f"{tools_pair.engine.url}/metrics", timeout=10).text).get("running")
+        done = sum(s["requests"]["terminal"].values()) > sum(
+            before["requests"]["terminal"].values())
+        quiet = (s["requests"]["in_flight"], s["requests"]["held"], e["in_flight"],
+                 running) == (0, 0, 0, 0.0)
+        return s if done and quiet else None
+
+    wait_for(settled, timeout=60)
+    made = _generated(tools_pair) - made0
+    assert 3 <= made < 1800  # vLLM stopped, not ran to the end unseen
+
+
+def _generated(pair: Pair) -> float:
+    """vLLM's own count of the tokens it has generated (its metrics, not Narwhal's)."""
+    text = httpx.get(f"{pair.engine.url}/metrics", timeout=10).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:generation_tokens_total")]
+    assert values, "vLLM's metrics have no vllm:generation_tokens_total"
+    return sum(values)
