@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -428,8 +429,7 @@ def test_a_client_that_leaves_mid_stream_leaks_nothing_on_narwhal_or_vllm(tools_
     def settled() -> dict | None:
         s = tools_pair.status()
         e = s["engines"][0]
-        running = parse_vllm_metrics(
-            httpx.get(f"{tools_pair.engine.url}/metrics", timeout=10).text).get("running")
+        running = _running(tools_pair)
         done = sum(s["requests"]["terminal"].values()) > sum(
             before["requests"]["terminal"].values())
         quiet = (s["requests"]["in_flight"], s["requests"]["held"], e["in_flight"],
@@ -439,6 +439,36 @@ def test_a_client_that_leaves_mid_stream_leaks_nothing_on_narwhal_or_vllm(tools_
     wait_for(settled, timeout=60)
     made = _generated(tools_pair) - made0
     assert 3 <= made < 1800  # vLLM stopped, not ran to the end unseen
+
+
+def test_a_client_that_leaves_while_its_answer_is_assembled_leaks_nothing(tools_pair):
+    """The non-streaming case: Narwhal is assembling the answer from vLLM's stream when the
+    client closes its connection (once vLLM reports the request running): vLLM stops and
+    nothing stays held or in flight."""
+    before = tools_pair.status()
+    made0 = _generated(tools_pair)
+    body = json.dumps({"model": SERVED_MODEL, "messages": MSGS, "max_tokens": 1800, "seed": 1,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", tools_pair.stack.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: narwhal\r\n"
+                     b"content-type: application/json\r\ncontent-length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        wait_for(lambda: _running(tools_pair) == 1.0, timeout=60)
+
+    def settled() -> bool:
+        s = tools_pair.status()
+        return (sum(s["requests"]["terminal"].values())
+                > sum(before["requests"]["terminal"].values())
+                and (s["requests"]["in_flight"], s["requests"]["held"],
+                     s["engines"][0]["in_flight"], _running(tools_pair)) == (0, 0, 0, 0.0))
+
+    wait_for(settled, timeout=60)
+    assert 0 < _generated(tools_pair) - made0 < 1800
+
+
+def _running(pair: Pair) -> float | None:
+    return parse_vllm_metrics(httpx.get(f"{pair.engine.url}/metrics", timeout=10).text).get(
+        "running")
 
 
 def _generated(pair: Pair) -> float:
