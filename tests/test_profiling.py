@@ -116,6 +116,18 @@ def test_profile_measurements_feed_the_model():
     assert e.model.tpot_s(1) == pytest.approx(0.02, rel=0.2)
 
 
+def test_a_profile_whose_tokens_arrive_in_bursts_still_projects_their_pace():
+    """Two events read together make a gap of ~0 s between them; a per-gap sample of it
+    outweighed the rest in the relative fit and projected a 5 ms engine at under 1 ms."""
+    r = _router()
+    e = r.engines[0]
+    for _ in range(3):
+        run = run_of([(10.0, ROLE), (10.1, event([1])), (10.15, event([2])),
+                      (10.15001, event([3])), (10.2, event([4]) + b"data: [DONE]\n\n")])
+        r.learning.probe(e, run.finish(64), 0.0, 0)
+    assert e.model.tpot_s(1) == pytest.approx(0.1 / 3, rel=0.3)
+
+
 @pytest.mark.parametrize("engines", [1, 2])
 def test_a_drifted_engine_is_profiled_again_before_new_work(engines):
     r = _router(engines)
