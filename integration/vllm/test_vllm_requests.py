@@ -426,17 +426,7 @@ def test_a_client_that_leaves_mid_stream_leaks_nothing_on_narwhal_or_vllm(tools_
             if events == 4:  # the role event and three carrying tokens
                 break  # leaving the blocks closes the unread response's connection
 
-    def settled() -> dict | None:
-        s = tools_pair.status()
-        e = s["engines"][0]
-        running = _running(tools_pair)
-        done = sum(s["requests"]["terminal"].values()) > sum(
-            before["requests"]["terminal"].values())
-        quiet = (s["requests"]["in_flight"], s["requests"]["held"], e["in_flight"],
-                 running) == (0, 0, 0, 0.0)
-        return s if done and quiet else None
-
-    wait_for(settled, timeout=60)
+    wait_for(lambda: _ended_leaving_nothing(tools_pair, before), timeout=60)
     made = _generated(tools_pair) - made0
     assert 3 <= made < 1800  # vLLM stopped, not ran to the end unseen
 
@@ -454,16 +444,17 @@ def test_a_client_that_leaves_while_its_answer_is_assembled_leaks_nothing(tools_
                      b"content-type: application/json\r\ncontent-length: "
                      + str(len(body)).encode() + b"\r\n\r\n" + body)
         wait_for(lambda: _running(tools_pair) == 1.0, timeout=60)
-
-    def settled() -> bool:
-        s = tools_pair.status()
-        return (sum(s["requests"]["terminal"].values())
-                > sum(before["requests"]["terminal"].values())
-                and (s["requests"]["in_flight"], s["requests"]["held"],
-                     s["engines"][0]["in_flight"], _running(tools_pair)) == (0, 0, 0, 0.0))
-
-    wait_for(settled, timeout=60)
+    wait_for(lambda: _ended_leaving_nothing(tools_pair, before), timeout=60)
     assert 0 < _generated(tools_pair) - made0 < 1800
+
+
+def _ended_leaving_nothing(pair: Pair, before: dict) -> bool:
+    """A request ended since ``before`` (Narwhal counted its end), and nothing is held or
+    in flight on Narwhal nor running on vLLM."""
+    s = pair.status()
+    ended = sum(s["requests"]["terminal"].values()) > sum(before["requests"]["terminal"].values())
+    return ended and (s["requests"]["in_flight"], s["requests"]["held"],
+                      s["engines"][0]["in_flight"], _running(pair)) == (0, 0, 0, 0.0)
 
 
 def _running(pair: Pair) -> float | None:

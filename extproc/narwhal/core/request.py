@@ -123,6 +123,10 @@ def _messages_bytes(messages: Any) -> int:
     return total
 
 
+def _token_ids(prompt: list[Any]) -> bool:
+    return bool(prompt) and all(type(p) is int and p >= 0 for p in prompt)  # not Booleans
+
+
 def _prompt_bytes(prompt: Any) -> int:
     if isinstance(prompt, str):
         return len(prompt.encode())
@@ -131,16 +135,15 @@ def _prompt_bytes(prompt: Any) -> int:
             if len(prompt) > 1:
                 raise sampling_width("prompt", len(prompt))
             return len(prompt[0].encode())
-        if all(type(p) is int and p >= 0 for p in prompt):  # token IDs (not Booleans)
+        if _token_ids(prompt):
             return 4 * len(prompt)
         if all(isinstance(p, list) for p in prompt):
             if len(prompt) > 1:
                 raise sampling_width("prompt", len(prompt))
             # one prompt of token IDs sent as a batch of one (vLLM takes it as the flat
             # array; evaluation harnesses send it so)
-            ids = prompt[0]
-            if ids and all(type(p) is int and p >= 0 for p in ids):
-                return 4 * len(ids)
+            if _token_ids(prompt[0]):
+                return 4 * len(prompt[0])
             raise invalid_request("'prompt' token arrays must hold non-negative integers",
                                   "prompt")
     raise invalid_request("'prompt' must be a string or an array of token IDs", "prompt")

@@ -331,13 +331,13 @@ def make_plan(body: dict[str, Any], opts: SimOptions, fault: str | None,
     prompt = body.get("prompt")
     if not chat and isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0],
                                                                                   str | list):
-        body = body | {"prompt": prompt[0]}  # a batch of one is its one prompt, as in vLLM
+        prompt = prompt[0]  # a batch of one is its one prompt, as in vLLM
+        body = body | {"prompt": prompt}
     if chat:  # before the template renders the parts
         _validate_messages(body["messages"], opts.model)
     else:
-        _validate_prompt(body["prompt"])
+        _validate_prompt(prompt)
     text = _render(body)
-    prompt = body.get("prompt")
     token_prompt = isinstance(prompt, list) and all(isinstance(p, int) for p in prompt)
     prompt_ids = ([int(p) for p in prompt] if token_prompt and prompt else
                   [TOKEN_ID_BASE + (b % len(VOCAB)) for b in text.encode()[::4]] or [TOKEN_ID_BASE])
