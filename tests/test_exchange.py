@@ -235,11 +235,22 @@ def test_echo_is_not_asked_for_token_ids(router):
 
 
 @pytest.mark.parametrize("header", ["x-request-timeout-ms", "x-slo-ttft-ms"])
-@pytest.mark.parametrize("value", ["\u00b2", "1\u00b2", "\u0663", "", "-5", "0", "1e3"])
+@pytest.mark.parametrize("value", ["\u00b2", "1\u00b2", "\u0663", "", "-5", "0", "1e3", "0.0",
+                                   ".5", "1.", "1.2345", "1.2.3", "1.-5", "1.\u00b2", "+1"])
 def test_millisecond_headers_accept_ascii_digits_only(router, header, value):
     (imm,) = Exchange(router).request_headers(HDRS | {header: value}, False)
     assert imm.error.status == 400 and imm.error.param == header
     assert router.held == 0 and router.accounting.in_flight == 0
+
+
+@pytest.mark.parametrize(("value", "ms"), [("250", 250), ("0.5", 0.5), (" 2.25 ", 2.25),
+                                          ("7.125", 7.125), ("60000.5", 60_000),
+                                          ("9" * 40 + ".5", 60_000)])
+def test_millisecond_headers_take_decimal_milliseconds(router, value, ms):
+    ex = Exchange(router)
+    ex.request_headers(HDRS | {"x-slo-ttft-ms": value, "x-slo-tpot-ms": value}, False)
+    assert ex.budget_s == pytest.approx(ms / 1000)
+    assert ex.tpot_budget_s == pytest.approx(ms / 1000)
 
 
 def test_millisecond_headers_clamp(router):

@@ -223,7 +223,7 @@ HEADERS = st.fixed_dictionaries(
     {":path": st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/models", "/x"]),
      ":method": st.sampled_from(["POST", "GET"])},
     optional={"content-length": st.text("0123456789²", max_size=6),
-              "x-slo-ttft-ms": st.text("0123456789-", max_size=6),
+              "x-slo-ttft-ms": st.text("0123456789-.", max_size=6),
               "x-request-timeout-ms": st.text("0123456789", max_size=14)})
 BODIES = st.sampled_from([
     b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}',

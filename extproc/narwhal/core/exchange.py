@@ -707,15 +707,27 @@ def _decimal(value: str, cap: int) -> int:
     return min(int(value), cap)
 
 
-def _ms_header(headers: dict[str, str], name: str, default: int, cap: int) -> int:
-    """A positive millisecond header, clamped to ``cap``; the default when absent."""
+def _ms_header(headers: dict[str, str], name: str, default: int, cap: int) -> float:
+    """A positive millisecond header, clamped to ``cap``; the default when absent.
+
+    Decimal milliseconds (``2.5``, up to three places) are accepted as llm-d's endpoint
+    picker reads these headers: a fast engine's TPOT is a few milliseconds, where whole
+    milliseconds are too coarse a budget. Digits and one point only (no sign, exponent or
+    non-ASCII digit), and the integer part is bounded before ``int`` sees it."""
     value = headers.get(name)
     if value is None:
         return default
-    ms = _decimal(value.strip(), cap)
+    whole, point, fraction = value.strip().partition(".")
+    ms: float = _decimal(whole, cap)
+    if point:
+        if not (0 < len(fraction) <= 3 and _decimal(fraction, 999) >= 0) or ms < 0:
+            ms = -1
+        elif ms < cap:
+            ms = min(ms + int(fraction) / 10 ** len(fraction), cap)
     if ms <= 0:
-        raise errors.invalid_request(f"header {name} must be a positive integer of milliseconds",
-                                     name)
+        raise errors.invalid_request(
+            f"header {name} must be a positive number of milliseconds (at most three "
+            "decimal places)", name)
     return ms
 
 
