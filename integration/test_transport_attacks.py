@@ -106,8 +106,8 @@ class Peer:
             except TimeoutError:
                 raise AssertionError(f"no answer within {timeout}s: {out}") from None
             except (ConnectionResetError, BrokenPipeError):
-                # The server closed with our flood still unread: the kernel answers the
-                # rest with a reset, which can overtake its GOAWAY. Closed all the same.
+                # The server aborted (a peer past the connection limit, or one still
+                # sending LINGER_S after its GOAWAY): the kernel resets. Closed all the same.
                 data = b""
             if not data:
                 out.append("eof")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -433,8 +434,10 @@ def test_a_client_that_leaves_mid_stream_leaks_nothing_on_narwhal_or_vllm(tools_
 
 def test_a_client_that_leaves_while_its_answer_is_assembled_leaks_nothing(tools_pair):
     """The non-streaming case: Narwhal is assembling the answer from vLLM's stream when the
-    client closes its connection (once vLLM reports the request running): vLLM stops and
-    nothing stays held or in flight."""
+    client closes its connection (once Narwhal has the first token: its engine's decode
+    count is 1): vLLM stops and nothing stays held or in flight. Not vLLM's own running
+    gauge: on two busy cores its API server answers /metrics only seconds later, after a
+    fast machine has made all 1,800 tokens."""
     before = tools_pair.status()
     made0 = _generated(tools_pair)
     body = json.dumps({"model": SERVED_MODEL, "messages": MSGS, "max_tokens": 1800, "seed": 1,
@@ -443,18 +446,25 @@ def test_a_client_that_leaves_while_its_answer_is_assembled_leaks_nothing(tools_
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: narwhal\r\n"
                      b"content-type: application/json\r\ncontent-length: "
                      + str(len(body)).encode() + b"\r\n\r\n" + body)
-        wait_for(lambda: _running(tools_pair) == 1.0, timeout=60)
+        wait_for(lambda: tools_pair.engine_status()["decode"] == 1, timeout=60)
     wait_for(lambda: _ended_leaving_nothing(tools_pair, before), timeout=60)
     assert 0 < _generated(tools_pair) - made0 < 1800
+
+
+def _ended(pair: Pair, before: dict) -> bool:
+    """Narwhal has counted a request's end since ``before``."""
+    return (sum(pair.status()["requests"]["terminal"].values())
+            > sum(before["requests"]["terminal"].values()))
 
 
 def _ended_leaving_nothing(pair: Pair, before: dict) -> bool:
     """A request ended since ``before`` (Narwhal counted its end), and nothing is held or
     in flight on Narwhal nor running on vLLM."""
+    if not _ended(pair, before):
+        return False
     s = pair.status()
-    ended = sum(s["requests"]["terminal"].values()) > sum(before["requests"]["terminal"].values())
-    return ended and (s["requests"]["in_flight"], s["requests"]["held"],
-                      s["engines"][0]["in_flight"], _running(pair)) == (0, 0, 0, 0.0)
+    return (s["requests"]["in_flight"], s["requests"]["held"], s["engines"][0]["in_flight"],
+            _running(pair)) == (0, 0, 0, 0.0)
 
 
 def _running(pair: Pair) -> float | None:
@@ -469,3 +479,48 @@ def _generated(pair: Pair) -> float:
               if line.startswith("vllm:generation_tokens_total")]
     assert values, "vLLM's metrics have no vllm:generation_tokens_total"
     return sum(values)
+
+
+def _burst_request(pair: Pair, i: int) -> int:
+    """One of the burst's requests (chat or text, streamed or assembled, by ``i``); its
+    status checked, its ``usage.completion_tokens`` returned."""
+    path = CHAT if i % 2 else TEXT
+    body: dict[str, Any] = {"model": SERVED_MODEL, "max_tokens": 8 + 7 * (i % 9), "seed": i}
+    body |= {"messages": MSGS} if path == CHAT else {"prompt": f"Count to {i}:"}
+    if i % 3:
+        body["ignore_eos"] = True  # most run to max_tokens: long enough to overlap
+    with pair.routed() as c:
+        if i % 4 < 2:
+            status, events = sse(c, path, body | {"stream": True,
+                                                  "stream_options": {"include_usage": True}})
+            assert status == 200 and events[-1] == "[DONE]", events[-1]
+            usage = usage_of(events)
+        else:
+            resp = c.post(path, json=body)
+            assert resp.status_code == 200, resp.text
+            usage = resp.json()["usage"]
+    assert usage is not None and 1 <= usage["completion_tokens"] <= body["max_tokens"]
+    return usage["completion_tokens"]
+
+
+def test_a_burst_of_concurrent_requests_is_counted_exactly_by_narwhal_and_vllm(tools_pair):
+    """Twenty-four requests at once (chat and text, streamed and assembled): more than the
+    engine's prefill slots, so Narwhal queues some, and vLLM batches the rest, merging
+    tokens into events when its API server falls behind. Every request succeeds, and the
+    output tokens Narwhal counted by ID, the sum of the answers' usage and vLLM's own
+    generated-token counter are the same number; afterwards nothing is held, queued or in
+    flight on Narwhal nor running on vLLM."""
+    before, made0 = tools_pair.status(), _generated(tools_pair)
+    with ThreadPoolExecutor(24) as pool:
+        counted = sum(pool.map(lambda i: _burst_request(tools_pair, i), range(24)))
+    wait_for(lambda: tools_pair.status()["requests"]["in_flight"] == 0 and _running(tools_pair)
+             == 0.0, timeout=60)
+    after = tools_pair.status()
+    engine0, engine = before["engines"][0], after["engines"][0]
+    assert engine["profiles"] == engine0["profiles"]  # no probe ran meanwhile
+    assert engine["output_tokens"] - engine0["output_tokens"] == counted
+    assert _generated(tools_pair) - made0 == counted
+    ended = after["requests"]["terminal"]
+    assert ended["completed"] - before["requests"]["terminal"]["completed"] == 24
+    assert sum(ended.values()) - sum(before["requests"]["terminal"].values()) == 24
+    assert (after["requests"]["held"], after["requests"]["queued"], engine["in_flight"]) == (0, 0, 0)

@@ -39,6 +39,10 @@ RESPONSE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")
 MAX_MESSAGE = 4 * 1024 * 1024  # gRPC's own default receive limit
 OUT_HIGH = 1024 * 1024  # a stream's held-back output above which its input waits
 WRITE_HIGH = 4 * 1024 * 1024  # the socket's send buffer above which nothing more is read
+# After a GOAWAY for the peer's error, how long its remaining input is read and dropped
+# before the socket closes: closing with input unread makes the kernel send a reset, which
+# can reach the peer before the GOAWAY and destroy it (nginx's lingering close, bounded).
+LINGER_S = 1.0
 PREFACE_TIMEOUT_S = 10.0  # a connection must speak HTTP/2 within this
 
 
@@ -130,6 +134,7 @@ class GrpcConnection(asyncio.Protocol):
         self.preface_timer: asyncio.TimerHandle | None = None
         self.write_paused = False  # our send buffer to this peer is full
         self.held = False  # what this peer's input feeds is full (a worker's link)
+        self.linger: asyncio.TimerHandle | None = None  # closing after an error's GOAWAY
 
     # -- asyncio.Protocol --------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -174,6 +179,8 @@ class GrpcConnection(asyncio.Protocol):
             t.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        if self.linger is not None:
+            return  # the connection is over: the peer's remaining input is dropped
         for ev in self.http2.receive(data):
             cls = ev.__class__
             if cls is http2.DataReceived:
@@ -185,14 +192,27 @@ class GrpcConnection(asyncio.Protocol):
             elif cls is http2.WindowUpdated:
                 self._unblock(ev.stream_id)
             elif cls is http2.ConnectionTerminated:
+                self._write()
                 if ev.code:
                     log.warning("closing HTTP/2 connection: %s", ev.message)
-                self._write()
-                self.transport.close()
+                    self._linger()
+                else:
+                    self.transport.close()
                 return
         self._write()
 
+    def _linger(self) -> None:
+        """End our side after the GOAWAY (a FIN behind it) and drop what the peer still
+        sends until it closes or LINGER_S passes, so that the GOAWAY is read, not reset."""
+        t = self.transport
+        if t.can_write_eof():
+            t.write_eof()
+        t.resume_reading()  # whatever paused it, the rest is only dropped now
+        self.linger = asyncio.get_running_loop().call_later(LINGER_S, t.abort)
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.linger is not None:
+            self.linger.cancel()
         if self.preface_timer is not None:
             self.preface_timer.cancel()
         for stream_id in list(self.streams):

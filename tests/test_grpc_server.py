@@ -1,0 +1,78 @@
+"""The gRPC server's connection adapter on a recording transport: how a connection that
+the peer broke ends."""
+
+from __future__ import annotations
+
+import asyncio
+
+import h2.config
+import h2.connection
+import h2.events
+
+from narwhal.server import http2
+from narwhal.server.grpc_server import LINGER_S, GrpcConnection
+
+
+class Transport:
+    def __init__(self) -> None:
+        self.written = b""
+        self.eof = self.closed = self.aborted = False
+
+    def write(self, data: bytes) -> None:
+        assert not self.eof, "written after our end of the stream"
+        self.written += data
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.eof = True
+
+    def is_closing(self) -> bool:
+        return self.closed or self.aborted
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return (len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big")
+            + payload)
+
+
+def test_a_connection_error_sends_goaway_then_drops_the_rest_until_the_linger_ends():
+    """A GOAWAY for the peer's error is followed by our FIN, not by a close: closing with
+    the peer's flood unread would make the kernel reset the connection, and the reset can
+    destroy the GOAWAY before the peer reads it. The rest is dropped unparsed, and the
+    socket is aborted LINGER_S later if the peer has not closed by then."""
+    async def run() -> None:
+        conn = GrpcConnection({})
+        t = Transport()
+        conn.transport = t  # type: ignore[assignment]
+        conn.http2.initiate()
+        peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        peer.initiate_connection()
+        # A CONTINUATION with no HEADERS before it: a connection error.
+        conn.data_received(peer.data_to_send() + frame(http2.CONTINUATION, 0, 1))
+        (ended,) = [e for e in peer.receive_data(t.written)
+                    if isinstance(e, h2.events.ConnectionTerminated)]
+        assert ended.error_code == http2.PROTOCOL_ERROR
+        assert t.eof and not t.closed and not t.aborted
+        sent = t.written
+        conn.data_received(frame(http2.CONTINUATION, 0, 1) * 1000)  # parsed, it would answer
+        assert t.written == sent
+        assert conn.linger is not None
+        assert abs(conn.linger.when() - asyncio.get_running_loop().time() - LINGER_S) < 0.5
+        conn.connection_lost(None)  # the peer closed first
+        assert conn.linger.cancelled()
+
+    asyncio.run(run())
