@@ -310,7 +310,24 @@ def narwhal_stack(pool: Stack, mode: str, budget_ms: int,
     if serving:
         config["serving"] = {"extproc_socket": str(Path(tempfile.mkdtemp(prefix="nw-"))
                                                    / "x.sock"), **serving}
-    return Stack(sims=[], config=config, model=MODEL).start()
+    stack = Stack(sims=[], config=config, model=MODEL).start()
+    profiled(stack)
+    return stack
+
+
+def profiled(stack: Stack, timeout: float = 300.0) -> None:
+    """Wait until Narwhal has profiled every engine and may place on it (its /status):
+    /ready needs one eligible engine, and a cell that began then measured the others'
+    profiles landing during its ramp (the l4's ~20 s in), which the peers, routing to
+    every engine from the first request, do not pay."""
+    end = time.monotonic() + timeout
+    while True:
+        engines = httpx.get(f"{stack.admin_url}/status", timeout=10).json()["engines"]
+        if all(e["profiled"] and e["eligible"] for e in engines):
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"engines not profiled after {timeout:g} s: {engines}")
+        time.sleep(0.2)
 
 
 def vllm_router(pool: Stack, policy: str, workdir: Path) -> tuple[subprocess.Popen, int]:
