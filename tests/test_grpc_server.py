@@ -12,15 +12,20 @@ import h2.events
 from narwhal.server import http2
 from narwhal.server.grpc_server import LINGER_S, GrpcConnection
 
+from . import test_properties as properties
 
-class Transport:
+
+class Transport(properties.Transport):
+    """The property tests' recording transport, with the half-close and abort a
+    connection error uses."""
+
     def __init__(self) -> None:
-        self.written = b""
-        self.eof = self.closed = self.aborted = False
+        super().__init__()
+        self.eof = self.aborted = False
 
     def write(self, data: bytes) -> None:
         assert not self.eof, "written after our end of the stream"
-        self.written += data
+        super().write(data)
 
     def can_write_eof(self) -> bool:
         return True
@@ -31,17 +36,8 @@ class Transport:
     def is_closing(self) -> bool:
         return self.closed or self.aborted
 
-    def close(self) -> None:
-        self.closed = True
-
     def abort(self) -> None:
         self.aborted = True
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
 
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
