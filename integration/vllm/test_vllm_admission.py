@@ -27,9 +27,11 @@ def test_the_engine_is_profiled_from_its_token_ids(tools_pair):
 
 
 def test_a_prompt_over_the_budget_alone_is_refused_without_retry_after(tools_pair):
+    # A microsecond: under any projection (one is at least a millisecond), however fast
+    # the machine's CPU vLLM prefills.
     before = tools_pair.stack_counts()
     with tools_pair.routed() as c:
-        resp = c.post(CHAT, json=BODY, headers={"x-slo-ttft-ms": "1"})
+        resp = c.post(CHAT, json=BODY, headers={"x-slo-ttft-ms": "0.001"})
     assert resp.status_code == 429 and "retry-after" not in resp.headers
     error = resp.json()["error"]
     assert error["code"] == "prompt_exceeds_ttft_budget" and error["type"] == "rate_limit_error"
@@ -37,7 +39,7 @@ def test_a_prompt_over_the_budget_alone_is_refused_without_retry_after(tools_pai
     client = openai.OpenAI(base_url=f"{tools_pair.stack.url}/v1", api_key="-", max_retries=0)
     with pytest.raises(openai.RateLimitError) as info:
         client.chat.completions.create(model=SERVED_MODEL, messages=MSGS, max_tokens=4,
-                                       extra_headers={"x-slo-ttft-ms": "1"})
+                                       extra_headers={"x-slo-ttft-ms": "0.001"})
     assert info.value.code == "prompt_exceeds_ttft_budget"
 
 
