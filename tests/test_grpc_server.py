@@ -40,6 +40,16 @@ class Transport(properties.Transport):
         self.aborted = True
 
 
+class Call(properties.Recorder):
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self.stream = stream
+        self.cancelled = False
+
+    def on_cancel(self) -> None:
+        self.cancelled = True
+
+
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return (len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big")
             + payload)
@@ -51,19 +61,27 @@ def test_a_connection_error_sends_goaway_then_drops_the_rest_until_the_linger_en
     destroy the GOAWAY before the peer reads it. The rest is dropped unparsed, and the
     socket is aborted LINGER_S later if the peer has not closed by then."""
     async def run() -> None:
-        conn = GrpcConnection({})
+        calls: list[Call] = []
+        conn = GrpcConnection({b"/svc/M": lambda stream: calls.append(Call(stream)) or calls[-1]})
         t = Transport()
         conn.transport = t  # type: ignore[assignment]
         conn.http2.initiate()
         peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         peer.initiate_connection()
+        peer.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                              (":path", "/svc/M"), ("content-type", "application/grpc")])
+        conn.data_received(peer.data_to_send())
+        (call,) = calls
         # A CONTINUATION with no HEADERS before it: a connection error.
-        conn.data_received(peer.data_to_send() + frame(http2.CONTINUATION, 0, 1))
+        conn.data_received(frame(http2.CONTINUATION, 0, 3))
         (ended,) = [e for e in peer.receive_data(t.written)
                     if isinstance(e, h2.events.ConnectionTerminated)]
         assert ended.error_code == http2.PROTOCOL_ERROR
         assert t.eof and not t.closed and not t.aborted
+        assert call.cancelled  # the connection's calls end with it, not a linger later
         sent = t.written
+        call.stream.send(b"late")  # a reply that was under way: nothing follows our FIN
+        conn._flush()  # what write_soon schedules
         conn.data_received(frame(http2.CONTINUATION, 0, 1) * 1000)  # parsed, it would answer
         assert t.written == sent
         assert conn.linger is not None

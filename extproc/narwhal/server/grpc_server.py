@@ -203,12 +203,15 @@ class GrpcConnection(asyncio.Protocol):
 
     def _linger(self) -> None:
         """End our side after the GOAWAY (a FIN behind it) and drop what the peer still
-        sends until it closes or LINGER_S passes, so that the GOAWAY is read, not reset."""
+        sends until it closes or LINGER_S passes, so that the GOAWAY is read, not reset.
+        The connection's calls end now, as if it were lost: nothing more is written."""
         t = self.transport
+        self.linger = asyncio.get_running_loop().call_later(LINGER_S, t.abort)
         if t.can_write_eof():
             t.write_eof()
         t.resume_reading()  # whatever paused it, the rest is only dropped now
-        self.linger = asyncio.get_running_loop().call_later(LINGER_S, t.abort)
+        for stream_id in list(self.streams):
+            self._cancel(stream_id)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.linger is not None:
@@ -368,7 +371,8 @@ class GrpcConnection(asyncio.Protocol):
 
     def _write(self) -> None:
         data = self.http2.data_to_send()
-        if data and self.transport is not None and not self.transport.is_closing():
+        if (data and self.transport is not None and not self.transport.is_closing()
+                and self.linger is None):  # lingering: our FIN is sent, nothing follows it
             self.transport.write(data)
 
     def write_soon(self) -> None:
