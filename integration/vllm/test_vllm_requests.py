@@ -417,8 +417,10 @@ def test_a_client_that_leaves_mid_stream_leaks_nothing_on_narwhal_or_vllm(tools_
     and engine slot and counts its end: nothing leaks on either side."""
     before = tools_pair.status()
     made0 = _generated(tools_pair)
+    # 20 logprobs a token: seconds of work for vLLM, longer than the stalls this test
+    # process has shown while vLLM generates, between reading and closing.
     body = {"model": SERVED_MODEL, "messages": MSGS, "max_tokens": 1800, "seed": 1,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "logprobs": True, "top_logprobs": 20}
     with tools_pair.routed() as c, c.stream("POST", CHAT, json=body) as resp:
         assert resp.status_code == 200
         events = 0
