@@ -463,13 +463,12 @@ def _leave_once_decoding(pair: Pair, admin: httpx.Client, request: bytes) -> tup
     once Narwhal counts its end, if that is what the test sees first); then wait until it
     ended leaving nothing. What was seen, and vLLM's generated tokens before it."""
     before, made0 = admin.get("/status").json(), _generated(pair)
-    ends0 = sum(before["requests"]["terminal"].values())
 
     def look() -> str | None:
         s = admin.get("/status").json()
         if s["engines"][0]["decode"] == 1:
             return "decoding"
-        return "ended" if sum(s["requests"]["terminal"].values()) > ends0 else None
+        return "ended" if _ends(s) > _ends(before) else None
 
     with socket.create_connection(("127.0.0.1", pair.stack.port), timeout=30) as sock:
         sock.sendall(request)
@@ -478,18 +477,17 @@ def _leave_once_decoding(pair: Pair, admin: httpx.Client, request: bytes) -> tup
     return seen, made0
 
 
-def _ended(pair: Pair, before: dict) -> bool:
-    """Narwhal has counted a request's end since ``before``."""
-    return (sum(pair.status()["requests"]["terminal"].values())
-            > sum(before["requests"]["terminal"].values()))
+def _ends(status: dict) -> int:
+    """The request ends Narwhal has counted, of every terminal class (its /status)."""
+    return sum(status["requests"]["terminal"].values())
 
 
 def _ended_leaving_nothing(pair: Pair, before: dict) -> bool:
     """A request ended since ``before`` (Narwhal counted its end), and nothing is held or
     in flight on Narwhal nor running on vLLM."""
-    if not _ended(pair, before):
-        return False
     s = pair.status()
+    if _ends(s) <= _ends(before):
+        return False
     return (s["requests"]["in_flight"], s["requests"]["held"], s["engines"][0]["in_flight"],
             _running(pair)) == (0, 0, 0, 0.0)
 
@@ -549,5 +547,5 @@ def test_a_burst_of_concurrent_requests_is_counted_exactly_by_narwhal_and_vllm(t
     assert _generated(tools_pair) - made0 == counted
     ended = after["requests"]["terminal"]
     assert ended["completed"] - before["requests"]["terminal"]["completed"] == 24
-    assert sum(ended.values()) - sum(before["requests"]["terminal"].values()) == 24
+    assert _ends(after) - _ends(before) == 24
     assert (after["requests"]["held"], after["requests"]["queued"], engine["in_flight"]) == (0, 0, 0)

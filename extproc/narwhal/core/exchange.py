@@ -720,10 +720,8 @@ def _ms_header(headers: dict[str, str], name: str, default: int, cap: int) -> fl
     whole, point, fraction = value.strip().partition(".")
     ms: float = _decimal(whole, cap)
     if point:
-        if not (0 < len(fraction) <= 3 and _decimal(fraction, 999) >= 0) or ms < 0:
-            ms = -1
-        elif ms < cap:
-            ms = min(ms + int(fraction) / 10 ** len(fraction), cap)
+        frac = _decimal(fraction, 999) if 0 < len(fraction) <= 3 else -1
+        ms = -1 if ms < 0 or frac < 0 else min(ms + frac / 10 ** len(fraction), cap)
     if ms <= 0:
         raise errors.invalid_request(
             f"header {name} must be a positive number of milliseconds (at most three "

@@ -210,16 +210,14 @@ class GrpcConnection(asyncio.Protocol):
         if t.can_write_eof():
             t.write_eof()
         t.resume_reading()  # whatever paused it, the rest is only dropped now
-        for stream_id in list(self.streams):
-            self._cancel(stream_id)
+        self._cancel_all()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.linger is not None:
             self.linger.cancel()
         if self.preface_timer is not None:
             self.preface_timer.cancel()
-        for stream_id in list(self.streams):
-            self._cancel(stream_id)
+        self._cancel_all()
         if self.on_lost is not None:
             self.on_lost(self)
 
@@ -329,6 +327,10 @@ class GrpcConnection(asyncio.Protocol):
         self.streams.pop(st.id, None)
         self.blocked.discard(st.id)
         self._release(st)
+
+    def _cancel_all(self) -> None:
+        for stream_id in list(self.streams):
+            self._cancel(stream_id)
 
     def _cancel(self, stream_id: int) -> None:
         st = self.streams.get(stream_id)
