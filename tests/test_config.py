@@ -60,6 +60,10 @@ def test_defaults():
     ({"serving": {"extproc_socket": 9002}}, "serving.extproc_socket: expected an absolute"),
     ({"engines": [{"name": "a", "url": "http://h:1", "kv_events": "h:5557"}]},
      "engines[0].kv_events: expected a ZMQ endpoint"),
+    ({"engines": [{"name": "a", "url": "http://h:1", "kv_events": "tcp://h:5557",
+                   "kv_replay": "h:5558"}]}, "engines[0].kv_replay: expected a ZMQ endpoint"),
+    ({"engines": [{"name": "a", "url": "http://h:1", "kv_replay": "tcp://h:5558"}]},
+     "engines[0].kv_replay: replays the engine's kv_events; set kv_events too"),
     ([1], "top level"),
 ])
 def test_errors_name_the_key(data, message):

@@ -80,6 +80,22 @@ def test_a_history_seen_from_the_engines_start_is_complete_and_a_gap_ends_that()
     assert kv.complete and not kv.held
 
 
+def test_what_a_replay_asks_for_and_which_live_batches_it_already_applied():
+    kv = KvBlocks(100)
+    assert kv.resume_from() == 0 and kv.missing(5) and not kv.missing(0)
+    for seq in range(3):  # the engine's buffer, from its first batch
+        kv.sequence(seq, replayed=True)
+    assert kv.complete and kv.replayed == 3 and kv.resume_from() == 3
+    # The subscription was open while the replay ran: live copies of 1 and 2 follow.
+    assert kv.duplicate(1) and kv.duplicate(2)
+    assert not kv.duplicate(3) and not kv.missing(3)  # the first live one past it
+    kv.sequence(3)
+    assert not kv.duplicate(2)  # the overlap is over: an old number is not a copy now
+    assert kv.missing(5) and kv.resume_from() == 4  # a gap: replay 4, then apply 5
+    assert not kv.missing(2)  # behind: nothing a replay from 4 could give
+    assert not kv.duplicate(0) and not kv.missing(0)  # a restart is neither
+
+
 def test_listening_from_the_middle_leaves_unseen_blocks_unknown():
     kv = KvBlocks(100)
     kv.sequence(41)
@@ -291,3 +307,192 @@ def test_the_resubscribe_wait_doubles_for_repeated_failures_and_starts_over_afte
     # a subscription that ran longer than the longest wait, then failed: a new fault
     assert loop_module.resubscribe_wait(longest, longest + 1.0) == first
     assert loop_module.resubscribe_wait(longest, longest / 2) == longest
+
+
+def chain_batch(k: int) -> bytes:
+    """Batch ``k`` of a history whose blocks chain: block k holds tokens k*BS..k*BS+3."""
+    parent = None if k == 0 else f"b{k - 1}".encode()
+    return batch(stored([f"b{k}".encode()], parent, list(range(k * BS, (k + 1) * BS))))
+
+
+class Publisher:
+    """vLLM's ZMQ publisher as its code behaves (``ZmqEventPublisher``): a PUB socket for
+    live batches, ``[topic, seq, payload]``, and a ROUTER replay socket answering
+    ``[b"", start]`` with every buffered batch from ``start`` and an end marker."""
+
+    END = (-1).to_bytes(8, "big", signed=True)
+
+    def __init__(self) -> None:
+        ctx = zmq.asyncio.Context.instance()
+        self.pub = ctx.socket(zmq.PUB)
+        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.router = ctx.socket(zmq.ROUTER)
+        self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.buffer: list[tuple[int, bytes]] = []
+        self.requests: list[int] = []
+        self.answer = True  # False: a replay socket that never answers
+
+    async def publish(self, payload: bytes, live: bool = True) -> int:
+        seq = len(self.buffer)
+        self.buffer.append((seq, payload))
+        if live:
+            await self.pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
+        return seq
+
+    async def serve(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            self.requests.append(int.from_bytes(start, "big"))
+            if not self.answer:
+                continue
+            for seq, payload in self.buffer:
+                if seq >= self.requests[-1]:
+                    await self.router.send_multipart(
+                        [client, b"", b"kv", seq.to_bytes(8, "big"), payload])
+            await self.router.send_multipart([client, b"", b"", self.END, b""])
+
+    def close(self) -> None:
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+def _replaying(pub: Publisher, replay: bool = True) -> Router:
+    engine = {"name": "a", "url": "http://127.0.0.1:1",
+              "kv_events": f"tcp://127.0.0.1:{pub.port}"}
+    if replay:
+        engine["kv_replay"] = f"tcp://127.0.0.1:{pub.replay_port}"
+    return Router(parse({"engines": [engine]}))
+
+
+async def _until(predicate, task: asyncio.Task) -> None:
+    while not predicate():
+        assert not task.done(), task
+        await asyncio.sleep(0.005)
+
+
+async def _publish_until(pub: Publisher, predicate, task: asyncio.Task) -> None:
+    """Publish live batches until ``predicate``: a PUB socket drops what it sends before
+    the subscription reaches it, so how many are lost is not known in advance."""
+    while not predicate():
+        assert not task.done(), task
+        await pub.publish(chain_batch(len(pub.buffer)))
+        await asyncio.sleep(0.01)
+
+
+def _run_with(pub: Publisher, router: Router, body) -> None:
+    async def run() -> None:
+        server = asyncio.ensure_future(pub.serve())
+        task = asyncio.ensure_future(loop_module.kv_events_loop(router, router.engines[0]))
+        try:
+            await body(task)
+        finally:
+            for t in (task, server):
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+
+    try:
+        asyncio.run(run())
+    finally:
+        pub.close()
+
+
+def test_a_subscriber_started_after_the_engine_replays_its_history():
+    """Batches the engine published before Narwhal subscribed (Narwhal started later)
+    come from the replay buffer: the history is complete, every block known."""
+    pub = Publisher()
+    router = _replaying(pub)
+    kv = router.engines[0].kv
+
+    async def body(task):
+        for k in range(3):
+            await pub.publish(chain_batch(k), live=False)  # nobody listening yet
+        await _until(lambda: kv.replayed == 3, task)
+        assert pub.requests == [0] and kv.complete and kv.errors == 0
+        assert kv.match(list(range(3 * BS + 1))) == (3 * BS, True)
+        await _publish_until(pub, lambda: kv.last_seq is not None and kv.last_seq >= 5, task)
+
+    _run_with(pub, router, body)
+    assert kv.complete and kv.errors == 0 and kv.unchained == 0
+    n = kv.last_seq + 1
+    assert kv.match(list(range(n * BS + 1))) == (n * BS, True)  # no batch missed
+
+
+def test_live_batches_lost_before_the_subscription_took_hold_are_replayed():
+    """The engine's first live batches reach no subscriber (ZMQ's slow joiner): the first
+    one that arrives shows the gap, and the replay fills it before it is applied."""
+    pub = Publisher()
+    router = _replaying(pub)
+    kv = router.engines[0].kv
+
+    async def body(task):
+        await _until(lambda: pub.requests, task)  # the first replay: nothing buffered
+        await _publish_until(pub, lambda: kv.last_seq is not None, task)
+        assert kv.complete and kv.errors == 0
+
+    _run_with(pub, router, body)
+    assert kv.replayed == kv.last_seq  # every batch before the first one heard live
+    assert kv.match(list(range((kv.last_seq + 1) * BS + 1)))[0] == (kv.last_seq + 1) * BS
+
+
+def test_without_a_replay_socket_a_late_subscriber_knows_only_what_it_heard():
+    pub = Publisher()
+    router = _replaying(pub, replay=False)
+    kv = router.engines[0].kv
+
+    async def body(task):
+        for k in range(3):
+            await pub.publish(chain_batch(k), live=False)
+        await _publish_until(pub, lambda: kv.batches >= 1, task)
+
+    _run_with(pub, router, body)
+    assert not pub.requests and not kv.complete and kv.replayed == 0
+    assert kv.unchained >= 1  # its first block's parent was never heard
+
+
+def test_a_replay_socket_that_does_not_answer_leaves_the_gap_a_gap(monkeypatch):
+    monkeypatch.setattr(loop_module, "REPLAY_S", 0.05)
+    pub = Publisher()
+    pub.answer = False
+    router = _replaying(pub)
+    kv = router.engines[0].kv
+
+    async def body(task):
+        await _until(lambda: pub.requests, task)
+        await pub.publish(chain_batch(0), live=False)
+        await _publish_until(pub, lambda: kv.batches >= 1, task)
+
+    _run_with(pub, router, body)
+    assert len(pub.requests) >= 2  # at subscribing, and for the gap
+    assert not kv.complete and kv.replayed == 0 and kv.batches >= 1
+
+
+@pytest.mark.parametrize(("answer", "applied"), [
+    ([b"", b"kv", (7).to_bytes(8, "big"), b"not msgpack"], 1),  # then out of order
+    ([b"", b"kv", b"short"], 0),  # unreadable
+])
+def test_a_hostile_replay_answer_ends_the_replay(monkeypatch, answer, applied):
+    """A replay answer that is not the next batch in order ends the replay (here the same
+    one a thousand times: one is applied, or none if it cannot be read); the live
+    subscription goes on. (Its first live batches restart the history at 0.)"""
+    pub = Publisher()
+    router = _replaying(pub)
+    kv = router.engines[0].kv
+
+    async def serve() -> None:
+        while True:
+            client, _, _start = await pub.router.recv_multipart()
+            pub.requests.append(0)
+            hostile = len(pub.requests) == 1  # later replays (gaps) find nothing buffered
+            for _ in range(1000 if hostile else 0):
+                await pub.router.send_multipart([client, *answer])
+            await pub.router.send_multipart([client, b"", b"", Publisher.END, b""])
+
+    monkeypatch.setattr(pub, "serve", serve)
+
+    async def body(task):
+        await _until(lambda: pub.requests, task)
+        await _publish_until(pub, lambda: kv.batches > applied, task)
+
+    _run_with(pub, router, body)
+    assert kv.replayed == applied and kv.errors >= applied  # the garbage batch: an error

@@ -93,6 +93,9 @@ class EngineConfig:
     # The engine's KV-cache event publisher (vLLM --kv-events-config endpoint, e.g.
     # tcp://10.0.0.5:5557): its prefix cache is then known, not guessed. "" for none.
     kv_events: str = ""
+    # Its replay socket (vLLM's kv-events-config replay_endpoint): batches missed (before
+    # Narwhal subscribed, or lost on the way) are asked for again. "" for none.
+    kv_replay: str = ""
 
     @property
     def endpoint(self) -> str:
@@ -231,10 +234,12 @@ POSITIVE = {
     "router.leader_election.retry_period_ms",
     "engines.tpot_ms", "sizing.bytes_per_token", "engines.interval_ms",
 }
+_ZMQ_ENDPOINT = (lambda v: v.startswith(("tcp://", "ipc://")) and len(v) < 512,
+                 "a ZMQ endpoint (tcp://host:port or ipc://path)")
 # String settings where "" means none: what a set value must satisfy, and what it is.
 OPTIONAL_STRINGS: dict[str, tuple[Callable[[str], bool], str]] = {
-    "engines.kv_events": (lambda v: v.startswith(("tcp://", "ipc://")) and len(v) < 512,
-                          "a ZMQ endpoint (tcp://host:port or ipc://path)"),
+    "engines.kv_events": _ZMQ_ENDPOINT,
+    "engines.kv_replay": _ZMQ_ENDPOINT,
     "serving.extproc_socket": (lambda v: v.startswith("/") and len(v.encode()) < 108,
                                "an absolute path under 108 bytes (a Unix socket's limit)"),
     "sizing.tokenizer": (lambda v: Path(v).is_file(), "an existing tokenizer file"),
@@ -331,6 +336,9 @@ def _engines(data: Any) -> tuple[EngineConfig, ...]:
             raise ConfigError(f"engines[{i}].url: expected http://host:port, got {eng.url!r}")
         if eng.dialect not in CHOICES["engines.dialect"]:
             raise ConfigError(f"engines[{i}].dialect: must be one of vllm, openai, got {eng.dialect!r}")
+        if eng.kv_replay and not eng.kv_events:
+            raise ConfigError(f"engines[{i}].kv_replay: replays the engine's kv_events; "
+                              "set kv_events too")
         engines.append(eng)
     names = [e.name for e in engines]
     for name in names:

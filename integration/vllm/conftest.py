@@ -29,12 +29,14 @@ VARIANTS = {
 }
 
 
-def kv_variant(port: int) -> list[str]:
-    """Prefix caching on, publishing its KV-cache events on ``port``, and reporting
-    cached prompt tokens in usage (what Narwhal's prediction is checked against)."""
+def kv_variant(port: int, replay_port: int) -> list[str]:
+    """Prefix caching on, publishing its KV-cache events on ``port`` (and replaying them
+    on ``replay_port``), and reporting cached prompt tokens in usage (what Narwhal's
+    prediction is checked against)."""
     return ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--kv-events-config",
             json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                        "endpoint": f"tcp://*:{port}", "topic": "kv"})]
+                        "endpoint": f"tcp://*:{port}", "topic": "kv",
+                        "replay_endpoint": f"tcp://*:{replay_port}"})]
 
 
 @dataclass
@@ -74,9 +76,10 @@ def vllm_servers(tmp_path_factory) -> Iterator[dict[str, VllmServer]]:
                     "--weights"], check=True, capture_output=True)
     servers = {name: VllmServer(f"vllm-{name}", model, root, args) for name, args in
                VARIANTS.items()}
-    kv_port = free_port()
-    servers["kv"] = VllmServer("vllm-kv", model, root, kv_variant(kv_port))
+    kv_port, replay_port = free_port(), free_port()
+    servers["kv"] = VllmServer("vllm-kv", model, root, kv_variant(kv_port, replay_port))
     servers["kv"].kv_events = f"tcp://127.0.0.1:{kv_port}"
+    servers["kv"].kv_replay = f"tcp://127.0.0.1:{replay_port}"
     try:
         for server in servers.values():
             server.spawn()
@@ -92,6 +95,7 @@ def _pair(server: VllmServer, **extra: dict) -> Iterator[Pair]:
     engine = {"name": server.name, "url": server.url, "dialect": "vllm"}
     if server.kv_events:
         engine["kv_events"] = server.kv_events
+        engine["kv_replay"] = server.kv_replay
     config = {
         "serving": {"model": SERVED_MODEL},
         # Wire fidelity is under test here, not admission: a budget no CPU prefill misses.
@@ -133,6 +137,10 @@ def reasoning_pair(vllm_servers) -> Iterator[Pair]:
 def kv_pair(vllm_servers) -> Iterator[Pair]:
     """vLLM with prefix caching and KV events; Narwhal subscribed, with the model's own
     tokenizer (and its chat template) to compute prompt token IDs."""
-    server = vllm_servers["kv"]
-    tokenizer = str(server.model_dir / "tokenizer.json")
-    yield from _pair(server, sizing={"tokenizer": tokenizer})
+    yield from kv_stack(vllm_servers["kv"])
+
+
+def kv_stack(server: VllmServer) -> Iterator[Pair]:
+    """A Narwhal subscribed to ``server``'s KV events (another one may be started later:
+    it learns what the engine already holds from the replay socket)."""
+    yield from _pair(server, sizing={"tokenizer": str(server.model_dir / "tokenizer.json")})

@@ -41,6 +41,7 @@ class VllmServer:
     port: int = 0
     proc: Proc | None = None
     kv_events: str = ""  # where its KV-cache event publisher is, if it has one
+    kv_replay: str = ""  # and its replay socket
 
     @property
     def url(self) -> str:

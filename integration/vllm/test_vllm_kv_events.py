@@ -1,16 +1,19 @@
 """Precise prefix-cache matching against real vLLM: Narwhal subscribes to the engine's
 KV-cache events (ZMQ) and computes each prompt's token IDs with the model's chat
-template; the prompt tokens it predicts cached must be the ones vLLM reports cached."""
+template; the prompt tokens it predicts cached must be the ones vLLM reports cached.
+What it missed (before it subscribed, or before the subscription took hold: ZMQ's PUB
+socket drops what it sends until then) comes from vLLM's replay socket."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import uuid
 
 import httpx
 
 from ..conftest import wait_for
-from .conftest import Pair
+from .conftest import Pair, kv_stack
 from .engine import SERVED_MODEL
 
 CHAT = "/v1/chat/completions"
@@ -39,6 +42,7 @@ def test_predicted_cached_tokens_are_the_engines_own(kv_pair):
 
     st = wait_for(stored)  # the engine published the prompt's blocks
     assert st["prefix_source"] == "kv-events" and st["kv_events"]["errors"] == 0
+    assert st["kv_events"]["complete"]  # from the engine's first batch (live or replayed)
     metrics = httpx.get(f"{kv_pair.stack.admin_url}/metrics", timeout=5).text
     name = st["name"]
     assert f'narwhal_engine_kv_events_live{{engine="{name}"}} 1.0' in metrics
@@ -53,3 +57,23 @@ def test_predicted_cached_tokens_are_the_engines_own(kv_pair):
     # A prompt the engine never saw: nothing predicted, nothing found.
     predicted, cached, _ = _ask(kv_pair, f"Another {uuid.uuid4()} preamble. " * 30, "hi")
     assert predicted == cached == 0
+
+
+def test_a_narwhal_started_after_the_engine_served_learns_its_cache_by_replay(kv_pair):
+    """A second Narwhal subscribes to an engine that has served requests: before any
+    request reaches it, vLLM's replay buffer gives it the engine's whole history, so the
+    first prompt it places on a prefix the engine computed earlier is predicted exactly."""
+    system = f"You are a terse assistant {uuid.uuid4()} who answers in prose. " * 16
+    _ask(kv_pair, system, "what is a fish")  # through the first Narwhal
+
+    def held(p: Pair) -> dict | None:
+        kv = p.engine_status()["kv_events"]
+        return kv if kv["complete"] and kv["blocks"] >= 2 else None
+
+    wait_for(lambda: held(kv_pair))  # the engine published those blocks
+    with contextlib.contextmanager(kv_stack)(kv_pair.engine) as late:
+        kv = wait_for(lambda: held(late))
+        assert kv["replayed"] >= 1 and kv["errors"] == 0 and kv["unchained"] == 0
+        predicted, cached, _ = _ask(late, system, "what is a frog")
+    assert cached >= 2 * kv["block_size"]  # the engine did hold the shared prefix
+    assert predicted == cached

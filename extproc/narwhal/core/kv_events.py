@@ -136,7 +136,7 @@ class KvBlocks:
 
     __slots__ = ("capacity", "stale_s", "by_engine", "held", "block_size", "batches",
                  "errors", "events_at", "pending_since", "unchained", "removed", "last_seq",
-                 "complete")
+                 "complete", "replayed", "replayed_to")
 
     def __init__(self, capacity: int, stale_s: float = 5.0) -> None:
         self.capacity = capacity
@@ -153,14 +153,19 @@ class KvBlocks:
         # Every batch since the engine's first (sequence 0) was seen: a block not held is
         # known not cached. Otherwise blocks stored before Narwhal listened are unknown.
         self.complete = False
+        self.replayed = 0  # batches recovered from the engine's replay buffer
+        # The last batch a replay applied: copies of it and of those before may still
+        # arrive live (the subscription was open while the replay ran), and are skipped.
+        self.replayed_to: int | None = None
         self.events_at: float | None = None  # when the last batch arrived
         self.pending_since: float | None = None  # first dispatch since that batch
 
     # -- what the engine says ------------------------------------------------------
-    def sequence(self, seq: int) -> None:
+    def sequence(self, seq: int, replayed: bool = False) -> None:
         """A batch's sequence number, before it is applied. The engine counts from 0; a
         gap means batches were lost (anything may have been evicted: forget), a restart
-        starts again at 0 (its cache is empty: forget, and know everything from here)."""
+        starts again at 0 (its cache is empty: forget, and know everything from here).
+        ``replayed``: the batch came from the engine's replay buffer, not live."""
         last = self.last_seq
         if seq == 0:
             if last is not None:
@@ -171,6 +176,31 @@ class KvBlocks:
         elif seq != last + 1:
             self.failed()
         self.last_seq = seq
+        if replayed:
+            self.replayed += 1
+            self.replayed_to = seq
+
+    # -- what to ask the engine's replay buffer for (the adapter asks) ---------------
+    def resume_from(self) -> int:
+        """The first batch not seen: where a replay starts (0 before any was seen)."""
+        return 0 if self.last_seq is None else self.last_seq + 1
+
+    def missing(self, seq: int) -> bool:
+        """Whether live batch ``seq`` shows batches missed before it: a first batch that
+        is not the engine's first, or a gap. (0 is a restart: nothing before it counts.)"""
+        last = self.last_seq
+        return seq != 0 and (last is None or seq > last + 1)
+
+    def duplicate(self, seq: int) -> bool:
+        """Whether live batch ``seq`` is a copy of one a replay already applied. The first
+        live batch past the replay ends the overlap (0 is a restart, never a copy)."""
+        to = self.replayed_to
+        if to is None:
+            return False
+        if 0 < seq <= to:
+            return True
+        self.replayed_to = None
+        return False
 
     def apply(self, events: list[KvEvent], now: float) -> None:
         for ev in events:

@@ -59,14 +59,14 @@ class Pool:
         return e
 
     def observe_kv_events(self, e: EngineState, payload: bytes, now: float,
-                          seq: int | None = None) -> None:
-        """A batch from the engine's KV-event publisher (``seq``: its sequence number).
-        One that cannot be read counts as an error and forgets what was held (what it
-        said is unknown)."""
+                          seq: int | None = None, replayed: bool = False) -> None:
+        """A batch from the engine's KV-event publisher (``seq``: its sequence number;
+        ``replayed``: from its replay buffer). One that cannot be read counts as an error
+        and forgets what was held (what it said is unknown)."""
         if e.kv is None:
             return
         if seq is not None:
-            e.kv.sequence(seq)
+            e.kv.sequence(seq, replayed)
         try:
             events = decode_batch(payload)
         except KvEventError:

@@ -7,6 +7,15 @@ What the sequence and the payload mean is the core's (``KvBlocks.sequence``: a g
 forgets the reported blocks, a restart at 0 starts a complete history;
 ``Pool.observe_kv_events``); this loop only reads, bounded: ZMQ drops a message over
 ``MAX_PAYLOAD`` bytes before it is read.
+
+With the engine's replay socket (``engines[].kv_replay``, vLLM's ``replay_endpoint``),
+batches missed are asked for again: on subscribing, everything after the last batch seen
+(the whole buffer, the first time: a Narwhal started after the engine learns what it
+already holds), and whenever a live batch shows a gap (a PUB socket drops what is sent
+before the subscription reaches it, or past the high-water mark). The replay is a DEALER
+request, ``[b"", start_seq]``, answered by ``[b"", topic, seq, payload]`` per buffered
+batch and ``[b"", b"", -1, b""]`` at the end; it is bounded in batches and in time, and
+whatever it cannot recover is a gap as before.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ RCV_HWM = 10_000
 
 
 RESUBSCRIBE_S = (1.0, 30.0)  # the first and the longest wait before subscribing again
+REPLAY_S = 5.0  # the longest a replay may take (vLLM answers within its 0.1 s poll)
+MAX_REPLAY = 100_000  # batches one replay may apply (vLLM buffers 10,000 by default)
 
 
 async def kv_events_loop(router: Router, engine: EngineState) -> None:
@@ -73,7 +84,10 @@ async def _subscribe(router: Router, engine: EngineState) -> None:
     sock.connect(engine.config.kv_events)
     log.info("engine %s: KV events from %s", engine.name, engine.config.kv_events)
     warned = 0
+    replay = engine.config.kv_replay
     try:
+        if replay and engine.kv is not None:  # subscribed first: nothing falls between
+            await _replay(router, engine, engine.kv.resume_from(), None)
         while True:
             parts = await sock.recv_multipart()
             kv = engine.kv
@@ -83,6 +97,10 @@ async def _subscribe(router: Router, engine: EngineState) -> None:
                 kv.failed()
                 continue
             seq = int.from_bytes(parts[1], "big", signed=True)
+            if kv.duplicate(seq):
+                continue
+            if replay and kv.missing(seq):
+                await _replay(router, engine, kv.resume_from(), seq)
             try:
                 router.pool.observe_kv_events(engine, parts[2], router.clock(), seq)
             except KvEventError as exc:
@@ -91,3 +109,50 @@ async def _subscribe(router: Router, engine: EngineState) -> None:
                     log.warning("engine %s: unreadable KV event batch: %s", engine.name, exc)
     finally:
         sock.close(linger=0)
+
+
+async def _replay(router: Router, engine: EngineState, start: int, until: int | None) -> None:
+    """Apply the engine's buffered batches from ``start`` (up to live batch ``until``,
+    which the caller applies, or to the buffer's end). Stops at the first answer that is
+    not a next batch in order, at ``MAX_REPLAY`` batches, or after ``REPLAY_S``: what
+    is not recovered stays missed, and the next batch's sequence says so."""
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(engine.config.kv_replay)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + REPLAY_S
+    applied = 0
+    previous = start - 1
+    try:
+        await sock.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
+        while applied < MAX_REPLAY:
+            left = deadline - loop.time()
+            if left <= 0 or not await sock.poll(left * 1000, zmq.POLLIN):
+                log.warning("engine %s: KV event replay from %d timed out after %d batches",
+                            engine.name, start, applied)
+                return
+            parts = await sock.recv_multipart()
+            if len(parts) != 4 or parts[0] or len(parts[2]) != 8:
+                log.warning("engine %s: unreadable KV event replay answer", engine.name)
+                return
+            seq = int.from_bytes(parts[2], "big", signed=True)
+            if seq < 0 or seq <= previous or (until is not None and seq >= until):
+                return  # the end, out of order, or caught up with the live batch
+            previous = seq
+            if engine.kv is None:
+                return
+            try:
+                router.pool.observe_kv_events(engine, parts[3], router.clock(), seq, True)
+            except KvEventError as exc:
+                log.warning("engine %s: unreadable replayed KV event batch: %s",
+                            engine.name, exc)
+            applied += 1
+            if applied % 64 == 0:
+                await asyncio.sleep(0)  # a long replay shares the loop with the data path
+    finally:
+        sock.close(linger=0)
+        if applied:
+            log.info("engine %s: %d KV event batches replayed from %d", engine.name,
+                     applied, start)
