@@ -26,7 +26,9 @@ FEATURES = {
                   "--set", "engines.discovery.service=vllm-headless.ns.svc.cluster.local"],
     "kube-discovery": ["--set", "engines.discovery.enabled=true",
                        "--set", "engines.discovery.kind=kubernetes",
-                       "--set", "engines.discovery.service=vllm"],
+                       "--set", "engines.discovery.service=vllm",
+                       "--set", "engines.discovery.kvEventsPort=5557",
+                       "--set", "engines.discovery.kvReplayPort=5558"],
     "service-monitor": ["--set", "serviceMonitor.enabled=true"],
     "autoscaling": ["--set", "autoscaling.enabled=true"],
     "ha": ["--set", "ha.enabled=true", "--set", "replicaCount=2"],
@@ -88,12 +90,14 @@ def test_rendered_narwhal_config_loads(feature):
     assert cfg.telemetry.admin_host == "0.0.0.0"  # kubelet probes the pod IP
     if feature == "discovery":
         assert cfg.discovery.name == "vllm-headless.ns.svc.cluster.local"
+        assert not cfg.discovery.kv_events_port and not cfg.kv_events  # none by default
     elif feature == "istio":
         assert cfg.scheduler.fallbacks == 0  # ORIGINAL_DST takes one endpoint
     elif feature == "kube-discovery":
         d = cfg.discovery
         assert (d.discovery, d.name, d.namespace, d.source) == (
             "kubernetes", "vllm", "llm", "endpointslices")
+        assert (d.kv_events_port, d.kv_replay_port) == (5557, 5558)
     else:
         assert cfg.engines and cfg.discovery is None
 

@@ -64,6 +64,10 @@ def test_defaults():
                    "kv_replay": "h:5558"}]}, "engines[0].kv_replay: expected a ZMQ endpoint"),
     ({"engines": [{"name": "a", "url": "http://h:1", "kv_replay": "tcp://h:5558"}]},
      "engines[0].kv_replay: replays the engine's kv_events; set kv_events too"),
+    ({"engines": {"discovery": "dns", "name": "x", "kv_events_port": 70000}},
+     "engines.kv_events_port: not a port number"),
+    ({"engines": {"discovery": "dns", "name": "x", "kv_replay_port": 5558}},
+     "engines.kv_replay_port: replays the engines' KV events; set kv_events_port too"),
     ([1], "top level"),
 ])
 def test_errors_name_the_key(data, message):

@@ -496,3 +496,68 @@ def test_a_hostile_replay_answer_ends_the_replay(monkeypatch, answer, applied):
 
     _run_with(pub, router, body)
     assert kv.replayed == applied and kv.errors >= applied  # the garbage batch: an error
+
+
+def test_discovered_engines_have_their_kv_sockets_on_their_own_address():
+    from narwhal.config import Discovery
+    from narwhal.server.discovery import engine_configs
+    from narwhal.server.kube_discovery import pod_engines
+
+    d = Discovery("dns", "vllm.svc", port=8000, kv_events_port=5557, kv_replay_port=5600)
+    cfgs = {c.name: c for c in engine_configs(d, {"10.0.0.1", "fd00::5"}).values()}
+    assert cfgs["vllm.svc/10.0.0.1"].kv_events == "tcp://10.0.0.1:5557"
+    assert cfgs["vllm.svc/10.0.0.1"].kv_replay == "tcp://10.0.0.1:5600"
+    assert cfgs["vllm.svc/fd00::5"].kv_events == "tcp://[fd00::5]:5557"
+    pod = {"metadata": {"name": "p"}, "status": {
+        "podIP": "10.0.0.9", "phase": "Running",
+        "conditions": [{"type": "Ready", "status": "True"}]}}
+    two = sorted(pod_engines(d, pod, [8000, 8001]).values(), key=lambda c: c.url)
+    # Two engines in one Pod: the second's sockets one port up, as vLLM's ranks are.
+    assert [(c.kv_events, c.kv_replay) for c in two] == [
+        ("tcp://10.0.0.9:5557", "tcp://10.0.0.9:5600"),
+        ("tcp://10.0.0.9:5558", "tcp://10.0.0.9:5601")]
+    plain = Discovery("dns", "vllm.svc")
+    assert all(not c.kv_events and not c.kv_replay
+               for c in engine_configs(plain, {"10.0.0.1"}).values())
+
+
+def test_subscribers_follow_the_pool_as_discovery_changes_it():
+    """An engine discovered later gets a subscriber (which replays what its engine
+    buffered); one that leaves and drains loses it."""
+    from narwhal.config import Discovery
+    from narwhal.server.discovery import engine_configs
+
+    pub = Publisher()
+    d = Discovery("dns", "engines", port=1, kv_events_port=pub.port,
+                  kv_replay_port=pub.replay_port)
+    router = Router(parse({"engines": {"discovery": "dns", "name": "engines"}}))
+    subscribers = loop_module.KvSubscribers(router)
+    router.listeners.append(subscribers.sync)
+
+    async def run() -> None:
+        server = asyncio.ensure_future(pub.serve())
+        try:
+            await pub.publish(chain_batch(0), live=False)
+            subscribers.sync()
+            assert not subscribers.tasks  # nothing discovered yet
+            router.pool.reconcile(engine_configs(d, {"127.0.0.1"}))
+            router.changed()
+            (e, task), = subscribers.tasks.values()
+            await _until(lambda: e.kv.replayed == 1, task)
+            assert e.kv.complete and e.kv.match(list(range(BS + 1))) == (BS, True)
+            router.pool.reconcile({})  # gone from DNS; nothing in flight: dropped
+            router.changed()
+            assert e not in router.engines and not subscribers.tasks
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            assert task.cancelled()
+        finally:
+            server.cancel()
+            for task in subscribers.cancel():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    try:
+        asyncio.run(run())
+    finally:
+        pub.close()

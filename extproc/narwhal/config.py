@@ -124,6 +124,22 @@ class Discovery:
     source: str = "endpointslices"
     port_name: str = ""  # endpointslices: the Service port to use (default: the first)
     api_server: str = ""  # empty: in-cluster service account, else $KUBECONFIG
+    # Each engine's KV-event publisher and replay socket, on its own address (vLLM's
+    # kv-events-config endpoint and replay_endpoint ports). 0 for none.
+    kv_events_port: int = 0
+    kv_replay_port: int = 0
+
+    def engine(self, name: str, ip: str, port: int, rank: int = 0) -> EngineConfig:
+        """The engine a discovered address is: the pool's seeds, and its KV-event
+        sockets on the same address. The ``rank``-th of several engines on one address
+        (a Pod's target ports) has them ``rank`` ports up, as vLLM offsets them for each
+        data-parallel rank."""
+        host = f"[{ip}]" if ":" in ip else ip
+        events, replay = (f"tcp://{host}:{p + rank}" if p and p + rank < 65536 else ""
+                          for p in (self.kv_events_port, self.kv_replay_port))
+        return EngineConfig(name=name, url=f"http://{host}:{port}", dialect=self.dialect,
+                            prefill_tps=self.prefill_tps, tpot_ms=self.tpot_ms,
+                            overhead_ms=self.overhead_ms, kv_events=events, kv_replay=replay)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +226,13 @@ class Config:
     router: Router = field(default_factory=Router)
     telemetry: Telemetry = field(default_factory=Telemetry)
     sizing: Sizing = field(default_factory=Sizing)
+
+    @property
+    def kv_events(self) -> bool:
+        """Whether any engine publishes KV-cache events (named, or by discovery's port):
+        then prompts need their exact token IDs, and a subscriber runs per engine."""
+        return any(e.kv_events for e in self.engines) or (
+            self.discovery is not None and bool(self.discovery.kv_events_port))
 
 
 CHOICES = {
@@ -347,6 +370,17 @@ def _engines(data: Any) -> tuple[EngineConfig, ...]:
     return tuple(engines)
 
 
+def _discovery(data: dict[str, Any]) -> Discovery:
+    d = _build(Discovery, data, "engines")
+    for key in ("kv_events_port", "kv_replay_port"):
+        if getattr(d, key) > 65535:
+            raise ConfigError(f"engines.{key}: not a port number: {getattr(d, key)}")
+    if d.kv_replay_port and not d.kv_events_port:
+        raise ConfigError("engines.kv_replay_port: replays the engines' KV events; set "
+                          "kv_events_port too")
+    return d
+
+
 def parse(data: Any) -> Config:
     if data is None:
         data = {}
@@ -358,7 +392,7 @@ def parse(data: Any) -> Config:
         raise ConfigError(f"{unknown[0]}: unknown section (known: {', '.join(sorted(sections))})")
     engines = data.get("engines")
     if isinstance(engines, dict):
-        kwargs: dict[str, Any] = {"discovery": _build(Discovery, engines, "engines")}
+        kwargs: dict[str, Any] = {"discovery": _discovery(engines)}
     else:
         kwargs = {"engines": _engines(engines)}
     hints = typing.get_type_hints(Config)

@@ -140,7 +140,13 @@ def kv_pair(vllm_servers) -> Iterator[Pair]:
     yield from kv_stack(vllm_servers["kv"])
 
 
-def kv_stack(server: VllmServer) -> Iterator[Pair]:
+def kv_stack(server: VllmServer, discovered: bool = False) -> Iterator[Pair]:
     """A Narwhal subscribed to ``server``'s KV events (another one may be started later:
-    it learns what the engine already holds from the replay socket)."""
-    yield from _pair(server, sizing={"tokenizer": str(server.model_dir / "tokenizer.json")})
+    it learns what the engine already holds from the replay socket). ``discovered``: the
+    engine comes from DNS discovery, its KV sockets from the discovery's ports."""
+    extra: dict = {"sizing": {"tokenizer": str(server.model_dir / "tokenizer.json")}}
+    if discovered:
+        extra["engines"] = {"discovery": "dns", "name": "127.0.0.1", "port": server.port,
+                            "kv_events_port": int(server.kv_events.rsplit(":", 1)[1]),
+                            "kv_replay_port": int(server.kv_replay.rsplit(":", 1)[1])}
+    yield from _pair(server, **extra)

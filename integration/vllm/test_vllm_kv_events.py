@@ -11,6 +11,7 @@ import re
 import uuid
 
 import httpx
+import pytest
 
 from ..conftest import wait_for
 from .conftest import Pair, kv_stack
@@ -59,10 +60,14 @@ def test_predicted_cached_tokens_are_the_engines_own(kv_pair):
     assert predicted == cached == 0
 
 
-def test_a_narwhal_started_after_the_engine_served_learns_its_cache_by_replay(kv_pair):
+@pytest.mark.parametrize("discovered", [False, True], ids=["static", "discovered"])
+def test_a_narwhal_started_after_the_engine_served_learns_its_cache_by_replay(
+        kv_pair, discovered):
     """A second Narwhal subscribes to an engine that has served requests: before any
     request reaches it, vLLM's replay buffer gives it the engine's whole history, so the
-    first prompt it places on a prefix the engine computed earlier is predicted exactly."""
+    first prompt it places on a prefix the engine computed earlier is predicted exactly.
+    Likewise for an engine found by DNS discovery (its KV sockets: the discovery's ports
+    on the address it resolved)."""
     system = f"You are a terse assistant {uuid.uuid4()} who answers in prose. " * 16
     _ask(kv_pair, system, "what is a fish")  # through the first Narwhal
 
@@ -71,7 +76,9 @@ def test_a_narwhal_started_after_the_engine_served_learns_its_cache_by_replay(kv
         return kv if kv["complete"] and kv["blocks"] >= 2 else None
 
     wait_for(lambda: held(kv_pair))  # the engine published those blocks
-    with contextlib.contextmanager(kv_stack)(kv_pair.engine) as late:
+    with contextlib.contextmanager(kv_stack)(kv_pair.engine, discovered) as late:
+        assert late.engine_status()["name"] == ("127.0.0.1/127.0.0.1" if discovered
+                                                else kv_pair.engine.name)
         kv = wait_for(lambda: held(late))
         assert kv["replayed"] >= 1 and kv["errors"] == 0 and kv["unchained"] == 0
         predicted, cached, _ = _ask(late, system, "what is a frog")

@@ -44,7 +44,7 @@ class Router:
         self.scheduler = Scheduler(config, self.pool, self.learning)
         self.sizer = Sizer(config.sizing.bytes_per_token, config.sizing.tokenizer)
         self.scheduler.tokenizer = self.sizer.tokenizer  # prefix blocks in tokens, if any
-        if self.sizer.tokenizer is not None and any(e.kv_events for e in config.engines):
+        if self.sizer.tokenizer is not None and config.kv_events:
             # Matching an engine's reported blocks needs the prompt's exact token IDs.
             self.scheduler.prompt_ids = PromptIds.load(self.sizer.tokenizer,
                                                        config.sizing.tokenizer)

@@ -179,11 +179,13 @@ async def serve(config: Config, config_path: str | None = None) -> None:
         await discover_once(router, config.discovery)  # the pool exists before telemetry
         tasks.append(asyncio.ensure_future(discovery_loop(router, config.discovery)))
     tasks.append(asyncio.ensure_future(telemetry_loop(router)))
-    kv_engines = [e for e in router.engines if e.kv is not None]
-    if kv_engines:
-        from .kv_events import kv_events_loop  # pyzmq only where engines publish events
+    subscribers = None
+    if config.kv_events:
+        from .kv_events import KvSubscribers  # pyzmq only where engines publish events
 
-        tasks += [asyncio.ensure_future(kv_events_loop(router, e)) for e in kv_engines]
+        subscribers = KvSubscribers(router)
+        subscribers.sync()
+        router.listeners.append(subscribers.sync)  # discovered engines join and leave
     tracer = start_tracer(config)
     lease = None
     if router.leadership is not None:
@@ -208,6 +210,9 @@ async def serve(config: Config, config_path: str | None = None) -> None:
     deadline = loop.time() + DRAIN_TIMEOUT_S
     while router.accounting.in_flight > 0 and loop.time() < deadline:
         await asyncio.sleep(0.05)
+    if subscribers is not None:
+        router.listeners.remove(subscribers.sync)
+        tasks += subscribers.cancel()
     for t in tasks:
         t.cancel()
     for t in tasks:

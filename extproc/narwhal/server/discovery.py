@@ -19,10 +19,7 @@ log = logging.getLogger("narwhal.discovery")
 def engine_configs(d: Discovery, addresses: set[str]) -> dict[str, EngineConfig]:
     out = {}
     for ip in sorted(addresses):
-        host = f"[{ip}]" if ":" in ip else ip
-        cfg = EngineConfig(name=f"{d.name}/{ip}", url=f"http://{host}:{d.port}",
-                           dialect=d.dialect, prefill_tps=d.prefill_tps, tpot_ms=d.tpot_ms,
-                           overhead_ms=d.overhead_ms)
+        cfg = d.engine(f"{d.name}/{ip}", ip, d.port)
         out[cfg.endpoint] = cfg
     return out
 

@@ -34,12 +34,6 @@ InferencePool = create_namespaced_resource("inference.networking.k8s.io", "v1",
                                            "InferencePool", "inferencepools")
 
 
-def _engine(d: Discovery, name: str, ip: str, port: int) -> EngineConfig:
-    host = f"[{ip}]" if ":" in ip else ip
-    return EngineConfig(name=name, url=f"http://{host}:{port}", dialect=d.dialect,
-                        prefill_tps=d.prefill_tps, tpot_ms=d.tpot_ms, overhead_ms=d.overhead_ms)
-
-
 def slice_engines(d: Discovery, obj: dict[str, Any]) -> dict[str, EngineConfig]:
     """Ready endpoints of one EndpointSlice (``conditions.ready`` unset counts as ready,
     as the API documents), on the slice's port named ``port_name`` or its first."""
@@ -54,7 +48,7 @@ def slice_engines(d: Discovery, obj: dict[str, Any]) -> dict[str, EngineConfig]:
         if (ep.get("conditions") or {}).get("ready") is False:
             continue
         for ip in ep.get("addresses") or []:
-            cfg = _engine(d, f"{d.name}/{ip}:{port}", ip, port)
+            cfg = d.engine(f"{d.name}/{ip}:{port}", ip, port)
             out[cfg.endpoint] = cfg
     return out
 
@@ -73,7 +67,8 @@ def pool_selector(pool: dict[str, Any]) -> tuple[dict[str, str], list[int]]:
 
 
 def pod_engines(d: Discovery, pod: dict[str, Any], ports: list[int]) -> dict[str, EngineConfig]:
-    """A running, ready Pod: one engine per target port."""
+    """A running, ready Pod: one engine per target port (the n-th has its KV-event
+    sockets n ports above the configured ones)."""
     status = pod.get("status") or {}
     ip = status.get("podIP")
     ready = any(c.get("type") == "Ready" and c.get("status") == "True"
@@ -82,8 +77,8 @@ def pod_engines(d: Discovery, pod: dict[str, Any], ports: list[int]) -> dict[str
         return {}
     name = (pod.get("metadata") or {}).get("name", ip)
     out = {}
-    for port in ports:
-        cfg = _engine(d, f"{name}:{port}", ip, port)
+    for rank, port in enumerate(ports):
+        cfg = d.engine(f"{name}:{port}", ip, port, rank)
         out[cfg.endpoint] = cfg
     return out
 

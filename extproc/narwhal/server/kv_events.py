@@ -40,6 +40,33 @@ REPLAY_S = 5.0  # the longest a replay may take (vLLM answers within its 0.1 s p
 MAX_REPLAY = 100_000  # batches one replay may apply (vLLM buffers 10,000 by default)
 
 
+class KvSubscribers:
+    """One subscriber task per engine with KV events, for the pool as it is: engines that
+    join (discovery) get one, engines that leave lose theirs. ``sync`` runs at start and
+    whenever the router's state changes (it is one of the router's listeners)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.tasks: dict[int, tuple[EngineState, asyncio.Future[None]]] = {}
+
+    def sync(self) -> None:
+        present = {id(e): e for e in self.router.engines if e.kv is not None}
+        for key, (_, task) in list(self.tasks.items()):
+            if key not in present or task.done():
+                task.cancel()
+                del self.tasks[key]
+        for key, e in present.items():
+            if key not in self.tasks:
+                self.tasks[key] = (e, asyncio.ensure_future(kv_events_loop(self.router, e)))
+
+    def cancel(self) -> list[asyncio.Future[None]]:
+        tasks = [task for _, task in self.tasks.values()]
+        for task in tasks:
+            task.cancel()
+        self.tasks.clear()
+        return tasks
+
+
 async def kv_events_loop(router: Router, engine: EngineState) -> None:
     """Subscribe until the engine has no KV state any more. A subscriber that fails for a
     reason nobody foresaw subscribes again after a backoff (meanwhile, and until its
