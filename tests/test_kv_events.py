@@ -82,18 +82,20 @@ def test_a_history_seen_from_the_engines_start_is_complete_and_a_gap_ends_that()
 
 def test_what_a_replay_asks_for_and_which_live_batches_it_already_applied():
     kv = KvBlocks(100)
-    assert kv.resume_from() == 0 and kv.missing(5) and not kv.missing(0)
+    assert kv.resume_from() == 0 and kv.missing(5) == 0 and kv.missing(0) is None
     for seq in range(3):  # the engine's buffer, from its first batch
         kv.sequence(seq, replayed=True)
     assert kv.complete and kv.replayed == 3 and kv.resume_from() == 3
     # The subscription was open while the replay ran: live copies of 1 and 2 follow.
     assert kv.duplicate(1) and kv.duplicate(2)
-    assert not kv.duplicate(3) and not kv.missing(3)  # the first live one past it
+    assert not kv.duplicate(3) and kv.missing(3) is None  # the first live one past it
     kv.sequence(3)
     assert not kv.duplicate(2)  # the overlap is over: an old number is not a copy now
-    assert kv.missing(5) and kv.resume_from() == 4  # a gap: replay 4, then apply 5
-    assert not kv.missing(2)  # behind: nothing a replay from 4 could give
-    assert not kv.duplicate(0) and not kv.missing(0)  # a restart is neither
+    assert kv.missing(5) == 4  # a gap: replay 4, then apply 5
+    # Behind the last: the engine restarted and its first batches were lost; its buffer
+    # holds its new history from 0.
+    assert kv.missing(2) == 0
+    assert not kv.duplicate(0) and kv.missing(0) is None  # a restart heard from its start
 
 
 def test_listening_from_the_middle_leaves_unseen_blocks_unknown():
@@ -433,6 +435,29 @@ def test_live_batches_lost_before_the_subscription_took_hold_are_replayed():
     _run_with(pub, router, body)
     assert kv.replayed == kv.last_seq  # every batch before the first one heard live
     assert kv.match(list(range((kv.last_seq + 1) * BS + 1)))[0] == (kv.last_seq + 1) * BS
+
+
+def test_an_engine_restart_whose_first_batches_were_lost_is_replayed_from_its_start():
+    """The engine restarts (its sequence starts again at 0, its cache empty) and the
+    subscriber misses its first batches: the first one heard is behind the last, so the
+    replay starts at 0 and the new history is complete, the old blocks forgotten."""
+    pub = Publisher()
+    router = _replaying(pub)
+    kv = router.engines[0].kv
+
+    async def body(task):
+        await _publish_until(pub, lambda: kv.last_seq is not None and kv.last_seq >= 3, task)
+        assert kv.complete and kv.match(list(range(4 * BS + 1)))[0] == 4 * BS
+        pub.buffer.clear()  # the restart
+        other = [1000 + i for i in range(BS)]
+        await pub.publish(batch(stored([b"new"], None, other)), live=False)  # lost
+        await pub.publish(chain_batch(len(pub.buffer)))  # seq 1, behind the last
+        await _until(lambda: kv.last_seq == 1, task)
+        assert kv.complete and kv.errors == 0 and kv.replayed >= 1
+        assert kv.match([*other, 0]) == (BS, True)  # the new history, from its start
+        assert kv.match(list(range(4 * BS + 1))) == (0, True)  # the old one forgotten
+
+    _run_with(pub, router, body)
 
 
 def test_without_a_replay_socket_a_late_subscriber_knows_only_what_it_heard():

@@ -81,6 +81,10 @@ def test_a_narwhal_started_after_the_engine_served_learns_its_cache_by_replay(
                                                 else kv_pair.engine.name)
         kv = wait_for(lambda: held(late))
         assert kv["replayed"] >= 1 and kv["errors"] == 0 and kv["unchained"] == 0
+        metrics = httpx.get(f"{late.stack.admin_url}/metrics", timeout=5).text
+        replayed = re.search(r'narwhal_engine_kv_events_replayed_total\{engine="[^"]+"\} (\S+)',
+                             metrics)
+        assert replayed is not None and float(replayed.group(1)) >= 1
         predicted, cached, _ = _ask(late, system, "what is a frog")
     assert cached >= 2 * kv["block_size"]  # the engine did hold the shared prefix
     assert predicted == cached

@@ -185,11 +185,17 @@ class KvBlocks:
         """The first batch not seen: where a replay starts (0 before any was seen)."""
         return 0 if self.last_seq is None else self.last_seq + 1
 
-    def missing(self, seq: int) -> bool:
-        """Whether live batch ``seq`` shows batches missed before it: a first batch that
-        is not the engine's first, or a gap. (0 is a restart: nothing before it counts.)"""
+    def missing(self, seq: int) -> int | None:
+        """Where a replay should start, if live batch ``seq`` shows batches missed: from
+        0 for a first batch that is not the engine's first, or one behind the last (the
+        engine restarted and its first batches were lost); after the last for a gap.
+        None when nothing is missing (0 itself is a restart heard from its start)."""
         last = self.last_seq
-        return seq != 0 and (last is None or seq > last + 1)
+        if seq == 0 or (last is not None and seq == last + 1):
+            return None
+        if last is None or seq <= last:
+            return 0
+        return last + 1
 
     def duplicate(self, seq: int) -> bool:
         """Whether live batch ``seq`` is a copy of one a replay already applied. The first

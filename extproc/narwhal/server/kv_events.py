@@ -12,7 +12,8 @@ With the engine's replay socket (``engines[].kv_replay``, vLLM's ``replay_endpoi
 batches missed are asked for again: on subscribing, everything after the last batch seen
 (the whole buffer, the first time: a Narwhal started after the engine learns what it
 already holds), and whenever a live batch shows a gap (a PUB socket drops what is sent
-before the subscription reaches it, or past the high-water mark). The replay is a DEALER
+before the subscription reaches it, or past the high-water mark) or comes behind the last
+(a restart whose first batches were lost: from 0). The replay is a DEALER
 request, ``[b"", start_seq]``, answered by ``[b"", topic, seq, payload]`` per buffered
 batch and ``[b"", b"", -1, b""]`` at the end; it is bounded in batches and in time, and
 whatever it cannot recover is a gap as before.
@@ -126,8 +127,9 @@ async def _subscribe(router: Router, engine: EngineState) -> None:
             seq = int.from_bytes(parts[1], "big", signed=True)
             if kv.duplicate(seq):
                 continue
-            if replay and kv.missing(seq):
-                await _replay(router, engine, kv.resume_from(), seq)
+            start = kv.missing(seq) if replay else None
+            if start is not None:
+                await _replay(router, engine, start, seq)
             try:
                 router.pool.observe_kv_events(engine, parts[2], router.clock(), seq)
             except KvEventError as exc:

@@ -57,6 +57,9 @@ ENGINE_SERIES: tuple[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], 
     (CounterMetricFamily, "narwhal_engine_kv_event_errors",
      "Unreadable KV event batches and sequence gaps (each forgets the blocks)",
      lambda e, now: None if e.kv is None else e.kv.errors),
+    (CounterMetricFamily, "narwhal_engine_kv_events_replayed",
+     "KV event batches recovered from the engine's replay socket (engines[].kv_replay)",
+     lambda e, now: None if e.kv is None else e.kv.replayed),
 )
 
 
