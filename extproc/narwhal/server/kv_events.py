@@ -16,7 +16,8 @@ before the subscription reaches it, or past the high-water mark) or comes behind
 (a restart whose first batches were lost: from 0). The replay is a DEALER
 request, ``[b"", start_seq]``, answered by ``[b"", topic, seq, payload]`` per buffered
 batch and ``[b"", b"", -1, b""]`` at the end; it is bounded in batches and in time, and
-whatever it cannot recover is a gap as before.
+whatever it cannot recover is a gap as before. A replay socket that does not answer is
+not asked again for ``REPLAY_QUIET_S`` (live batches wait while a replay runs).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ RCV_HWM = 10_000
 
 RESUBSCRIBE_S = (1.0, 30.0)  # the first and the longest wait before subscribing again
 REPLAY_S = 5.0  # the longest a replay may take (vLLM answers within its 0.1 s poll)
+REPLAY_QUIET_S = 30.0  # after a replay socket did not answer, no replay for this long
 MAX_REPLAY = 100_000  # batches one replay may apply (vLLM buffers 10,000 by default)
 
 
@@ -113,9 +115,13 @@ async def _subscribe(router: Router, engine: EngineState) -> None:
     log.info("engine %s: KV events from %s", engine.name, engine.config.kv_events)
     warned = 0
     replay = engine.config.kv_replay
+    loop = asyncio.get_running_loop()
+    quiet_until = 0.0  # a replay socket that did not answer is not asked again until then
     try:
-        if replay and engine.kv is not None:  # subscribed first: nothing falls between
-            await _replay(router, engine, engine.kv.resume_from(), None)
+        # Subscribed first, then the replay: nothing falls between.
+        if replay and engine.kv is not None and not await _replay(
+                router, engine, engine.kv.resume_from(), None):
+            quiet_until = loop.time() + REPLAY_QUIET_S
         while True:
             parts = await sock.recv_multipart()
             kv = engine.kv
@@ -127,9 +133,9 @@ async def _subscribe(router: Router, engine: EngineState) -> None:
             seq = int.from_bytes(parts[1], "big", signed=True)
             if kv.duplicate(seq):
                 continue
-            start = kv.missing(seq) if replay else None
-            if start is not None:
-                await _replay(router, engine, start, seq)
+            start = kv.missing(seq) if replay and loop.time() >= quiet_until else None
+            if start is not None and not await _replay(router, engine, start, seq):
+                quiet_until = loop.time() + REPLAY_QUIET_S  # live batches wait meanwhile
             try:
                 router.pool.observe_kv_events(engine, parts[2], router.clock(), seq)
             except KvEventError as exc:
@@ -140,11 +146,12 @@ async def _subscribe(router: Router, engine: EngineState) -> None:
         sock.close(linger=0)
 
 
-async def _replay(router: Router, engine: EngineState, start: int, until: int | None) -> None:
+async def _replay(router: Router, engine: EngineState, start: int, until: int | None) -> bool:
     """Apply the engine's buffered batches from ``start`` (up to live batch ``until``,
     which the caller applies, or to the buffer's end). Stops at the first answer that is
     not a next batch in order, at ``MAX_REPLAY`` batches, or after ``REPLAY_S``: what
-    is not recovered stays missed, and the next batch's sequence says so."""
+    is not recovered stays missed, and the next batch's sequence says so. False when the
+    socket did not answer in time (live batches waited meanwhile: not again soon)."""
     ctx = zmq.asyncio.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD)
@@ -159,19 +166,19 @@ async def _replay(router: Router, engine: EngineState, start: int, until: int | 
         while applied < MAX_REPLAY:
             left = deadline - loop.time()
             if left <= 0 or not await sock.poll(left * 1000, zmq.POLLIN):
-                log.warning("engine %s: KV event replay from %d timed out after %d batches",
-                            engine.name, start, applied)
-                return
+                log.warning("engine %s: KV event replay from %d timed out after %d batches;"
+                            " none for %.0f s", engine.name, start, applied, REPLAY_QUIET_S)
+                return False
             parts = await sock.recv_multipart()
             if len(parts) != 4 or parts[0] or len(parts[2]) != 8:
                 log.warning("engine %s: unreadable KV event replay answer", engine.name)
-                return
+                return True
             seq = int.from_bytes(parts[2], "big", signed=True)
             if seq < 0 or seq <= previous or (until is not None and seq >= until):
-                return  # the end, out of order, or caught up with the live batch
+                return True  # the end, out of order, or caught up with the live batch
             previous = seq
             if engine.kv is None:
-                return
+                return True
             try:
                 router.pool.observe_kv_events(engine, parts[3], router.clock(), seq, True)
             except KvEventError as exc:
@@ -180,6 +187,7 @@ async def _replay(router: Router, engine: EngineState, start: int, until: int | 
             applied += 1
             if applied % 64 == 0:
                 await asyncio.sleep(0)  # a long replay shares the loop with the data path
+        return True
     finally:
         sock.close(linger=0)
         if applied:
