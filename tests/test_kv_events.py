@@ -495,6 +495,33 @@ def test_a_replay_socket_that_does_not_answer_leaves_the_gap_a_gap(monkeypatch):
     assert not kv.complete and kv.replayed == 0 and kv.batches >= 3
 
 
+def test_a_replay_that_trickles_is_cut_off_by_its_total_time(monkeypatch):
+    """Each answer comes within the wait for the next one, but a replay may not hold
+    the live batches back longer than ``REPLAY_TOTAL_S`` in all."""
+    monkeypatch.setattr(loop_module, "REPLAY_S", 0.5)
+    monkeypatch.setattr(loop_module, "REPLAY_TOTAL_S", 0.2)
+    pub = Publisher()
+    router = _replaying(pub)
+    kv = router.engines[0].kv
+
+    async def serve() -> None:
+        client, _, _start = await pub.router.recv_multipart()
+        pub.requests.append(0)
+        for k in range(1000):
+            await pub.router.send_multipart(
+                [client, b"", b"kv", k.to_bytes(8, "big"), chain_batch(k)])
+            await asyncio.sleep(0.02)
+
+    monkeypatch.setattr(pub, "serve", serve)
+
+    async def body(task):
+        await _until(lambda: pub.requests, task)
+        await _publish_until(pub, lambda: kv.batches > kv.replayed, task)  # live again
+
+    _run_with(pub, router, body)
+    assert 1 <= kv.replayed < 100  # ~10 in 0.2 s, not the thousand
+
+
 @pytest.mark.parametrize(("answer", "applied"), [
     ([b"", b"kv", (7).to_bytes(8, "big"), b"not msgpack"], 1),  # then out of order
     ([b"", b"kv", b"short"], 0),  # unreadable

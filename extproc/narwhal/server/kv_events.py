@@ -38,7 +38,8 @@ RCV_HWM = 10_000
 
 
 RESUBSCRIBE_S = (1.0, 30.0)  # the first and the longest wait before subscribing again
-REPLAY_S = 5.0  # the longest a replay may take (vLLM answers within its 0.1 s poll)
+REPLAY_S = 5.0  # the longest wait for a replay's next answer (vLLM polls every 0.1 s)
+REPLAY_TOTAL_S = 60.0  # the longest a whole replay may hold the live batches back
 REPLAY_QUIET_S = 30.0  # after a replay socket did not answer, no replay for this long
 MAX_REPLAY = 100_000  # batches one replay may apply (vLLM buffers 10,000 by default)
 
@@ -149,7 +150,8 @@ async def _subscribe(router: Router, engine: EngineState) -> None:
 async def _replay(router: Router, engine: EngineState, start: int, until: int | None) -> bool:
     """Apply the engine's buffered batches from ``start`` (up to live batch ``until``,
     which the caller applies, or to the buffer's end). Stops at the first answer that is
-    not a next batch in order, at ``MAX_REPLAY`` batches, or after ``REPLAY_S``: what
+    not a next batch in order, at ``MAX_REPLAY`` batches, when no answer came within
+    ``REPLAY_S`` or the whole replay took ``REPLAY_TOTAL_S``: what
     is not recovered stays missed, and the next batch's sequence says so. False when the
     socket did not answer in time (live batches waited meanwhile: not again soon)."""
     ctx = zmq.asyncio.Context.instance()
@@ -158,13 +160,13 @@ async def _replay(router: Router, engine: EngineState, start: int, until: int | 
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(engine.config.kv_replay)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + REPLAY_S
+    deadline = loop.time() + REPLAY_TOTAL_S
     applied = 0
     previous = start - 1
     try:
         await sock.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
         while applied < MAX_REPLAY:
-            left = deadline - loop.time()
+            left = min(REPLAY_S, deadline - loop.time())
             if left <= 0 or not await sock.poll(left * 1000, zmq.POLLIN):
                 log.warning("engine %s: KV event replay from %d timed out after %d batches;"
                             " none for %.0f s", engine.name, start, applied, REPLAY_QUIET_S)
