@@ -6,6 +6,7 @@ the same path against vLLM itself."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 
 import msgspec
@@ -17,8 +18,9 @@ from hypothesis import strategies as st
 
 from narwhal.config import parse
 from narwhal.core.chat_prompt import PromptIds
-from narwhal.core.kv_events import KvBlocks, KvEventError, chain, decode_batch
+from narwhal.core.kv_events import KvBlocks, KvEventError, Replay, chain, decode_batch
 from narwhal.core.placement import project
+from narwhal.core.pool import Scrape
 from narwhal.core.router import Router
 from narwhal.core.scheduler import Ticket
 from narwhal.server import kv_events as loop_module
@@ -82,20 +84,30 @@ def test_a_history_seen_from_the_engines_start_is_complete_and_a_gap_ends_that()
 
 def test_what_a_replay_asks_for_and_which_live_batches_it_already_applied():
     kv = KvBlocks(100)
-    assert kv.resume_from() == 0 and kv.missing(5) == 0 and kv.missing(0) is None
+    assert kv.resume() == Replay(0) and kv.missing(5) == Replay(0, 5)
+    assert kv.missing(0) is None
     for seq in range(3):  # the engine's buffer, from its first batch
         kv.sequence(seq, replayed=True)
-    assert kv.complete and kv.replayed == 3 and kv.resume_from() == 3
+    assert kv.complete and kv.replayed == 3 and kv.resume() == Replay(3)
     # The subscription was open while the replay ran: live copies of 1 and 2 follow.
     assert kv.duplicate(1) and kv.duplicate(2)
     assert not kv.duplicate(3) and kv.missing(3) is None  # the first live one past it
     kv.sequence(3)
     assert not kv.duplicate(2)  # the overlap is over: an old number is not a copy now
-    assert kv.missing(5) == 4  # a gap: replay 4, then apply 5
+    assert kv.missing(5) == Replay(4, 5)  # a gap: replay 4, then apply 5
     # Behind the last: the engine restarted and its first batches were lost; its buffer
     # holds its new history from 0.
-    assert kv.missing(2) == 0
+    assert kv.missing(2) == Replay(0, 2)
     assert not kv.duplicate(0) and kv.missing(0) is None  # a restart heard from its start
+
+
+def test_a_replay_takes_the_next_batches_in_order_up_to_the_live_one():
+    r = Replay(4, 9)
+    assert not r.takes(3)  # before the start
+    assert r.takes(4) and r.takes(6)  # the buffer may have lost some: the core sees it
+    assert not r.takes(6) and not r.takes(5)  # again, or backwards: ends it
+    assert not r.takes(9) and not r.takes(-1)  # the live batch reached; the end marker
+    assert Replay(0).takes(10**6)  # to the buffer's end
 
 
 def test_listening_from_the_middle_leaves_unseen_blocks_unknown():
@@ -616,3 +628,113 @@ def test_subscribers_follow_the_pool_as_discovery_changes_it():
         asyncio.run(run())
     finally:
         pub.close()
+
+
+class _Engine:
+    """An engine's prefix cache as the truth: blocks stored on a held parent (or at the
+    root), evicted, or all lost at a restart; every change published as one batch with
+    the next sequence number, and kept in a replay buffer of ``buffer`` batches."""
+
+    def __init__(self, buffer: int) -> None:
+        self.seq = 0
+        self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer)
+        self.parent: dict[bytes, bytes | None] = {}  # every block of this incarnation
+        self.tokens: dict[bytes, list[int]] = {}
+        self.held: set[bytes] = set()
+        self.made = 0
+
+    def _publish(self, *events) -> tuple[int, bytes]:
+        item = (self.seq, batch(*events))
+        self.buffer.append(item)
+        self.seq += 1
+        return item
+
+    def store(self, pick: int) -> tuple[int, bytes]:
+        parents = [None, *sorted(self.held)]
+        parent = parents[pick % len(parents)]
+        h = f"h{self.made}".encode()
+        ids = [self.made * BS + i for i in range(BS)]  # no two blocks alike
+        self.made += 1
+        self.parent[h], self.tokens[h] = parent, ids
+        self.held.add(h)
+        return self._publish(stored([h], parent, ids))
+
+    def evict(self, pick: int) -> tuple[int, bytes] | None:
+        if not self.held:
+            return None
+        h = sorted(self.held)[pick % len(self.held)]
+        self.held.discard(h)
+        return self._publish(removed([h]))
+
+    def restart(self) -> None:
+        self.seq = 0
+        self.buffer.clear()
+        self.parent.clear()
+        self.tokens.clear()
+        self.held.clear()
+
+    def path(self, h: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        cur: bytes | None = h
+        while cur is not None:
+            out.append(cur)
+            cur = self.parent[cur]
+        return out[::-1]
+
+    def replay(self, r: Replay):
+        """What its replay socket answers, in order, as far as ``r`` takes them."""
+        for seq, payload in list(self.buffer):
+            if seq >= r.start:
+                if not r.takes(seq):
+                    return
+                yield seq, payload
+
+
+_OPS = st.lists(st.tuples(st.sampled_from(["store", "store", "evict", "restart"]),
+                          st.integers(0, 50), st.booleans()), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=_OPS, late=st.integers(0, 10), buffer=st.sampled_from([3, 1000]))
+def test_the_replayed_history_is_the_engines_whatever_was_lost(ops, late, buffer):
+    """Live batches lost at random (the flag), engine restarts (seen by the health checks:
+    the engine was down), a subscriber that joins after ``late`` changes, a replay
+    buffer that may be too short: whenever the latest batch reached the subscriber, what
+    it calls complete is exactly what the engine holds, block by block; and with a buffer
+    long enough, it is always complete then."""
+    engine = _Engine(buffer)
+    router = Router(parse({"engines": [{"name": "a", "url": "http://h:1",
+                                        "kv_events": "tcp://h:1", "kv_replay": "tcp://h:2"}],
+                           "telemetry": {"profiling": False}}))
+    e = router.engines[0]
+    kv = e.kv
+    observe = router.pool.observe_kv_events
+    router.pool.observe(e, Scrape(healthy=True), 0.0, 16.0)
+    for i, (op, pick, lost) in enumerate(ops):
+        if op == "restart":  # down for a health check or more, then back
+            engine.restart()
+            router.pool.observe(e, Scrape(unreachable=True), 0.0, 16.0)
+            router.pool.observe(e, Scrape(healthy=True), 0.0, 16.0)
+            continue
+        item = engine.store(pick) if op == "store" else engine.evict(pick)
+        if i == late:  # subscribes: first the replay, then whatever comes live
+            for seq, payload in engine.replay(kv.resume()):
+                observe(e, payload, 0.0, seq, True)
+        if item is None or i < late or lost:
+            continue
+        seq, payload = item
+        if kv.duplicate(seq):
+            continue
+        missed = kv.missing(seq)
+        if missed is not None:
+            for s, p in engine.replay(missed):
+                observe(e, p, 0.0, s, True)
+        observe(e, payload, 0.0, seq)
+        if buffer > len(ops):
+            assert kv.complete
+        if kv.complete:
+            for h in engine.parent:
+                path = engine.path(h)
+                ids = [t for b in path for t in engine.tokens[b]]
+                held = next((n for n, b in enumerate(path) if b not in engine.held), len(path))
+                assert kv.match([*ids, -1]) == (held * BS, True), (h, path)

@@ -131,6 +131,28 @@ def chain(token_ids: list[int], block_size: int) -> list[int]:
     return out
 
 
+@dataclass(slots=True)
+class Replay:
+    """One request to the engine's replay buffer: from batch ``start`` up to live batch
+    ``until`` (which is applied after it), or to the buffer's end when None. The buffer
+    answers in order; ``takes`` says whether an answer is the next batch to apply, and
+    anything else (the end marker, an answer out of order, the live batch reached) ends
+    the replay."""
+
+    start: int
+    until: int | None = None
+    previous: int = -1
+
+    def __post_init__(self) -> None:
+        self.previous = self.start - 1
+
+    def takes(self, seq: int) -> bool:
+        if seq < 0 or seq <= self.previous or (self.until is not None and seq >= self.until):
+            return False
+        self.previous = seq
+        return True
+
+
 class KvBlocks:
     """One engine's prefix-cache blocks as its events report them."""
 
@@ -181,21 +203,21 @@ class KvBlocks:
             self.replayed_to = seq
 
     # -- what to ask the engine's replay buffer for (the adapter asks) ---------------
-    def resume_from(self) -> int:
-        """The first batch not seen: where a replay starts (0 before any was seen)."""
-        return 0 if self.last_seq is None else self.last_seq + 1
+    def resume(self) -> Replay:
+        """The replay on subscribing: every buffered batch from the first not seen (0
+        before any was seen)."""
+        return Replay(0 if self.last_seq is None else self.last_seq + 1)
 
-    def missing(self, seq: int) -> int | None:
-        """Where a replay should start, if live batch ``seq`` shows batches missed: from
-        0 for a first batch that is not the engine's first, or one behind the last (the
-        engine restarted and its first batches were lost); after the last for a gap.
-        None when nothing is missing (0 itself is a restart heard from its start)."""
+    def missing(self, seq: int) -> Replay | None:
+        """The replay to run before applying live batch ``seq``, if it shows batches
+        missed: from 0 for a first batch that is not the engine's first, or for one
+        behind the last (the engine restarted and its first batches were lost); from
+        after the last for a gap. None when nothing is missing (0 itself is a restart
+        heard from its start)."""
         last = self.last_seq
         if seq == 0 or (last is not None and seq == last + 1):
             return None
-        if last is None or seq <= last:
-            return 0
-        return last + 1
+        return Replay(0 if last is None or seq <= last else last + 1, seq)
 
     def duplicate(self, seq: int) -> bool:
         """Whether live batch ``seq`` is a copy of one a replay already applied. The first
@@ -266,6 +288,17 @@ class KvBlocks:
         self.by_engine.clear()
         self.held.clear()
         self.removed.clear()
+
+    def restarted(self) -> None:
+        """The engine may have restarted (it was down and came back): its cache is gone,
+        and its sequence starts again at 0. Sequence numbers alone cannot say so when the
+        new history's first batches were lost and the old one was short (new 1 after old
+        0 looks like the next batch), so the health checks say it: forget the blocks and
+        the sequence; the next batch heard starts the history again (from 0 by replay)."""
+        self.clear()
+        self.complete = False
+        self.last_seq = None
+        self.replayed_to = None
 
     def failed(self) -> None:
         """A batch that could not be read, or a gap in the sequence: what was missed may

@@ -111,6 +111,8 @@ class Pool:
         changed = ok != e.healthy or not e.checked
         if changed and ok and e.checked:
             e.prefix.clear()  # it may have restarted: its prefix cache is gone
+            if e.kv is not None:
+                e.kv.restarted()
             if self.profiling:
                 reprofile(e)
         e.healthy = ok

@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from ..core.engines import EngineState
-from ..core.kv_events import KvEventError
+from ..core.kv_events import KvEventError, Replay
 from ..core.router import Router
 
 log = logging.getLogger("narwhal.kv_events")
@@ -121,7 +121,7 @@ async def _subscribe(router: Router, engine: EngineState) -> None:
     try:
         # Subscribed first, then the replay: nothing falls between.
         if replay and engine.kv is not None and not await _replay(
-                router, engine, engine.kv.resume_from(), None):
+                router, engine, engine.kv.resume()):
             quiet_until = loop.time() + REPLAY_QUIET_S
         while True:
             parts = await sock.recv_multipart()
@@ -134,8 +134,8 @@ async def _subscribe(router: Router, engine: EngineState) -> None:
             seq = int.from_bytes(parts[1], "big", signed=True)
             if kv.duplicate(seq):
                 continue
-            start = kv.missing(seq) if replay and loop.time() >= quiet_until else None
-            if start is not None and not await _replay(router, engine, start, seq):
+            missed = kv.missing(seq) if replay and loop.time() >= quiet_until else None
+            if missed is not None and not await _replay(router, engine, missed):
                 quiet_until = loop.time() + REPLAY_QUIET_S  # live batches wait meanwhile
             try:
                 router.pool.observe_kv_events(engine, parts[2], router.clock(), seq)
@@ -147,10 +147,9 @@ async def _subscribe(router: Router, engine: EngineState) -> None:
         sock.close(linger=0)
 
 
-async def _replay(router: Router, engine: EngineState, start: int, until: int | None) -> bool:
-    """Apply the engine's buffered batches from ``start`` (up to live batch ``until``,
-    which the caller applies, or to the buffer's end). Stops at the first answer that is
-    not a next batch in order, at ``MAX_REPLAY`` batches, when no answer came within
+async def _replay(router: Router, engine: EngineState, replay: Replay) -> bool:
+    """Apply the engine's buffered batches that ``replay`` takes. Stops at the first
+    answer it does not take, at ``MAX_REPLAY`` batches, when no answer came within
     ``REPLAY_S`` or the whole replay took ``REPLAY_TOTAL_S``: what
     is not recovered stays missed, and the next batch's sequence says so. False when the
     socket did not answer in time (live batches waited meanwhile: not again soon)."""
@@ -162,7 +161,7 @@ async def _replay(router: Router, engine: EngineState, start: int, until: int | 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + REPLAY_TOTAL_S
     applied = 0
-    previous = start - 1
+    start = replay.start
     try:
         await sock.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
         while applied < MAX_REPLAY:
@@ -176,9 +175,8 @@ async def _replay(router: Router, engine: EngineState, start: int, until: int | 
                 log.warning("engine %s: unreadable KV event replay answer", engine.name)
                 return True
             seq = int.from_bytes(parts[2], "big", signed=True)
-            if seq < 0 or seq <= previous or (until is not None and seq >= until):
+            if not replay.takes(seq):
                 return True  # the end, out of order, or caught up with the live batch
-            previous = seq
             if engine.kv is None:
                 return True
             try:
