@@ -123,11 +123,14 @@ def test_a_block_whose_parent_was_never_seen_is_not_indexed():
     assert kv.unchained == 1 and not kv.by_engine
 
 
-def test_the_table_is_bounded():
+def test_the_table_is_bounded_and_what_it_forgets_is_unknown_not_evicted():
     kv = KvBlocks(3)
+    kv.sequence(0)  # the whole history, until the bound forgets some of it
     ids = list(range(40))
     kv.apply(decode_batch(batch(stored([bytes([i]) for i in range(10)], None, ids))), 1.0)
-    assert len(kv.by_engine) == 3 and len(kv.held) == 3
+    assert len(kv.by_engine) == 3 and len(kv.held) == 3 and not kv.removed
+    # The engine still holds the first blocks: the table cannot say they are not cached.
+    assert not kv.complete and kv.match([*ids, 99]) == (0, False)
 
 
 def test_integer_hashes_and_unknown_event_types_are_accepted():
@@ -695,17 +698,19 @@ _OPS = st.lists(st.tuples(st.sampled_from(["store", "store", "evict", "restart"]
 
 
 @settings(max_examples=200, deadline=None)
-@given(ops=_OPS, late=st.integers(0, 10), buffer=st.sampled_from([3, 1000]))
-def test_the_replayed_history_is_the_engines_whatever_was_lost(ops, late, buffer):
+@given(ops=_OPS, late=st.integers(0, 10), buffer=st.sampled_from([3, 1000]),
+       table=st.sampled_from([4, 1000]))
+def test_the_replayed_history_is_the_engines_whatever_was_lost(ops, late, buffer, table):
     """Live batches lost at random (the flag), engine restarts (seen by the health checks:
     the engine was down), a subscriber that joins after ``late`` changes, a replay
     buffer that may be too short: whenever the latest batch reached the subscriber, what
     it calls complete is exactly what the engine holds, block by block; and with a buffer
-    long enough, it is always complete then."""
+    and a table (``prefix_index_blocks``) long enough, it is always complete then."""
     engine = _Engine(buffer)
     router = Router(parse({"engines": [{"name": "a", "url": "http://h:1",
                                         "kv_events": "tcp://h:1", "kv_replay": "tcp://h:2"}],
-                           "telemetry": {"profiling": False}}))
+                           "telemetry": {"profiling": False},
+                           "scheduler": {"prefix_index_blocks": table}}))
     e = router.engines[0]
     kv = e.kv
     observe = router.pool.observe_kv_events
@@ -730,7 +735,7 @@ def test_the_replayed_history_is_the_engines_whatever_was_lost(ops, late, buffer
             for s, p in engine.replay(missed):
                 observe(e, p, 0.0, s, True)
         observe(e, payload, 0.0, seq)
-        if buffer > len(ops):
+        if buffer > len(ops) and table > len(ops):
             assert kv.complete
         if kv.complete:
             for h in engine.parent:

@@ -267,22 +267,27 @@ class KvBlocks:
             self.held[key] = self.held.get(key, 0) + 1
             self.removed.pop(key, None)
         while len(self.by_engine) > self.capacity:
-            self._drop(next(iter(self.by_engine)))
+            # Forgotten for the table's bound, not evicted by the engine: it may still
+            # hold the block, so it is unknown, and the table is no longer the whole
+            # history (a walk ending there must not say "known not cached").
+            self._release(self.by_engine.pop(next(iter(self.by_engine))), evicted=False)
+            self.complete = False
 
     def _drop(self, engine_hash: Any) -> None:
         key = self.by_engine.pop(engine_hash, None)
         if key is not None:
             self._release(key)
 
-    def _release(self, key: int) -> None:
+    def _release(self, key: int, evicted: bool = True) -> None:
         n = self.held.get(key, 0) - 1
         if n > 0:
             self.held[key] = n
         else:
             self.held.pop(key, None)
-            self.removed[key] = None
-            if len(self.removed) > self.capacity:
-                self.removed.popitem(last=False)
+            if evicted:
+                self.removed[key] = None
+                if len(self.removed) > self.capacity:
+                    self.removed.popitem(last=False)
 
     def clear(self) -> None:
         self.by_engine.clear()
