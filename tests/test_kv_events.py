@@ -133,6 +133,41 @@ def test_the_table_is_bounded_and_what_it_forgets_is_unknown_not_evicted():
     assert not kv.complete and kv.match([*ids, 99]) == (0, False)
 
 
+def test_salted_blocks_and_other_tiers_are_not_the_prompts_plain_chain():
+    """vLLM keys a block by its extra keys too (a cache salt, a LoRA name, multimodal
+    identifiers): a salted block matches no plain prompt, nor do the blocks after it; and
+    a CPU or storage tier's stores and removals say nothing of the GPU cache a hit
+    comes from. The array-like form carries the same fields in vLLM's order."""
+    kv = KvBlocks(100)
+    kv.sequence(0)
+    ids = list(range(8))
+    salted = stored([b"s1", b"s2"], None, ids) | {"extra_keys": [["tenant-a"], None]}
+    kv.apply(decode_batch(batch(salted)), 1.0)
+    kv.apply(decode_batch(batch(stored([b"s3"], b"s2", [8, 9, 10, 11]))), 1.0)
+    assert kv.keyed == 2 and kv.unchained == 1 and not kv.by_engine  # and its child
+    assert kv.match([*ids, 99]) == (0, True)  # the plain prompt is not cached
+    kv.apply(decode_batch(batch(stored([b"p1"], None, ids[:4], size=BS)
+                                | {"medium": "CPU"})), 1.0)
+    assert not kv.by_engine  # offloaded to CPU: not a GPU prefix hit
+    kv.apply(decode_batch(batch(stored([b"p1"], None, ids[:4]) | {"medium": "GPU"})), 1.0)
+    kv.apply(decode_batch(batch(removed([b"p1"]) | {"medium": "CPU"})), 1.0)
+    assert kv.match([*ids, 99]) == (BS, True)  # the CPU copy's removal: still on GPU
+    array = ["BlockStored", [b"a1"], None, [1, 2, 3, 4], BS, None, "GPU", None, [["s"]]]
+    (ev,) = decode_batch(msgspec.msgpack.encode([1.0, [array]]))
+    assert ev.keyed == (True,) and ev.medium == "GPU"
+
+
+def test_a_salted_prompt_has_its_own_index_blocks():
+    from narwhal.core.prefix import prompt_blocks
+
+    body = {"messages": [{"role": "system", "content": "x" * 300}]}
+    plain = prompt_blocks(body)[0]
+    salted = prompt_blocks(body | {"cache_salt": "a"})[0]
+    assert plain and salted and not set(plain) & set(salted)
+    assert prompt_blocks(body | {"cache_salt": "a"})[0] == salted
+    assert prompt_blocks(body | {"cache_salt": "b"})[0] != salted
+
+
 def test_integer_hashes_and_unknown_event_types_are_accepted():
     events = decode_batch(batch(stored([7, 8], None, list(range(8))), {"type": "Future"}))
     assert len(events) == 1 and events[0].hashes == [7, 8]
@@ -150,6 +185,9 @@ def test_integer_hashes_and_unknown_event_types_are_accepted():
     (batch(stored("abc", None, [1, 2, 3, 4])), "block_hashes"),
     (batch(stored([b"x" * 65], None, [1, 2, 3, 4])), "block hash"),
     (batch(42), "tagged"),
+    (batch(stored([b"a"], None, [1, 2, 3, 4]) | {"extra_keys": [None, None]}), "extra_keys"),
+    (batch(stored([b"a"], None, [1, 2, 3, 4]) | {"extra_keys": ["salt"]}), "extra_keys"),
+    (batch(stored([b"a"], None, [1, 2, 3, 4]) | {"medium": "x" * 40}), "medium"),
 ])
 def test_malformed_batches_are_refused(payload, message):
     with pytest.raises(KvEventError, match=message):

@@ -20,11 +20,11 @@ from .engine import SERVED_MODEL
 CHAT = "/v1/chat/completions"
 
 
-def _ask(pair: Pair, system: str, user: str) -> tuple[int, int, int]:
+def _ask(pair: Pair, system: str, user: str, **extra: str) -> tuple[int, int, int]:
     """(Narwhal's predicted cached prompt tokens, vLLM's cached, prompt tokens)."""
     with pair.routed() as c:
         r = c.post(CHAT, json={"model": SERVED_MODEL, "max_tokens": 2, "messages": [
-            {"role": "system", "content": system}, {"role": "user", "content": user}]})
+            {"role": "system", "content": system}, {"role": "user", "content": user}]} | extra)
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
@@ -55,6 +55,14 @@ def test_predicted_cached_tokens_are_the_engines_own(kv_pair):
         predicted, cached, prompt = _ask(kv_pair, system, user)
         assert cached >= 2 * block  # the shared system prompt's whole blocks
         assert predicted == cached  # exactly what vLLM found in its cache
+    # The same prefix with a cache salt: vLLM keys salted blocks by the salt, so nothing
+    # is cached for it, and Narwhal (which reads the salt in the blocks' extra keys and in
+    # the request) predicts nothing; the same salt again finds the salted blocks.
+    predicted, cached, _ = _ask(kv_pair, system, "what is a cow", cache_salt="tenant-a")
+    assert predicted == cached == 0
+    predicted, cached, _ = _ask(kv_pair, system, "what is a hen", cache_salt="tenant-a")
+    assert cached >= 2 * block and predicted > 0  # the salted prefix: the index's estimate
+    wait_for(lambda: kv_pair.engine_status()["kv_events"]["keyed"] >= 2)  # not indexed
     # A prompt the engine never saw: nothing predicted, nothing found.
     predicted, cached, _ = _ask(kv_pair, f"Another {uuid.uuid4()} preamble. " * 30, "hi")
     assert predicted == cached == 0

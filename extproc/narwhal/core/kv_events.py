@@ -39,11 +39,16 @@ class Stored:
     parent: Any
     token_ids: list[int]
     block_size: int
+    # Per block, whether its hash has extra keys (a cache salt, a LoRA name, multimodal
+    # or prompt-embedding identifiers): such a block matches no chain of token IDs alone.
+    keyed: tuple[bool, ...] = ()
+    medium: str | None = None  # the cache tier (vLLM: "GPU", "CPU", "STORAGE"; None: GPU)
 
 
 @dataclass(frozen=True, slots=True)
 class Removed:
     hashes: list[Any]
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +58,11 @@ class Cleared:
 
 KvEvent = Stored | Removed | Cleared
 _DECODER = msgspec.msgpack.Decoder()
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
+# vLLM's field order, for the array-like form of its events.
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                  "medium", "lora_name", "extra_keys")
+_REMOVED_FIELDS = ("block_hashes", "medium")
+GPU = "GPU"  # the tier a prompt's prefix hit comes from; other tiers' events are skipped
 
 
 def _hash(value: Any) -> Any:
@@ -71,6 +80,24 @@ def _hashes(value: Any) -> list[Any]:
     return [_hash(h) for h in value]
 
 
+def _medium(value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and len(value) <= 32):
+        return value
+    raise KvEventError("medium must be a short string or null")
+
+
+def _keyed(value: Any, blocks: int) -> tuple[bool, ...]:
+    """Which blocks have extra keys: ``extra_keys`` is null or one entry per block, each
+    null or a list (its contents are not read)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > blocks:
+        raise KvEventError("extra_keys must be a list of at most one entry per block")
+    if not all(v is None or isinstance(v, list) for v in value):
+        raise KvEventError("extra_keys entries must be lists or null")
+    return tuple(v is not None for v in value)
+
+
 def _event(raw: Any) -> KvEvent | None:
     """One event: a map tagged ``type`` (msgspec's tagged struct), or an array whose first
     item is the tag (the array-like form). Unknown tags are skipped (newer engines)."""
@@ -79,7 +106,7 @@ def _event(raw: Any) -> KvEvent | None:
         fields = raw
     elif isinstance(raw, list) and raw and isinstance(raw[0], str):
         tag = raw[0]
-        names = {"BlockStored": _STORED_FIELDS, "BlockRemoved": ("block_hashes",)}.get(tag, ())
+        names = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS}.get(tag, ())
         fields = dict(zip(names, raw[1:], strict=False))
     else:
         raise KvEventError("an event must be a tagged map or array")
@@ -94,9 +121,11 @@ def _event(raw: Any) -> KvEvent | None:
         if not (isinstance(ids, list) and len(ids) <= size * len(hashes)
                 and all(type(i) is int for i in ids)):
             raise KvEventError("token_ids must be integers, at most block_size per block")
-        return Stored(hashes, None if parent is None else _hash(parent), ids, size)
+        return Stored(hashes, None if parent is None else _hash(parent), ids, size,
+                      _keyed(fields.get("extra_keys"), len(hashes)),
+                      _medium(fields.get("medium")))
     if tag == "BlockRemoved":
-        return Removed(_hashes(fields.get("block_hashes")))
+        return Removed(_hashes(fields.get("block_hashes")), _medium(fields.get("medium")))
     if tag == "AllBlocksCleared":
         return Cleared()
     return None
@@ -158,7 +187,7 @@ class KvBlocks:
 
     __slots__ = ("capacity", "stale_s", "by_engine", "held", "block_size", "batches",
                  "errors", "events_at", "pending_since", "unchained", "removed", "last_seq",
-                 "complete", "replayed", "replayed_to")
+                 "complete", "replayed", "replayed_to", "keyed")
 
     def __init__(self, capacity: int, stale_s: float = 5.0) -> None:
         self.capacity = capacity
@@ -169,6 +198,7 @@ class KvBlocks:
         self.batches = 0
         self.errors = 0
         self.unchained = 0  # stored blocks skipped: their parent was never seen
+        self.keyed = 0  # stored blocks skipped: keyed by more than tokens (a salt...)
         # Chain keys the engine reported evicting (bounded): known not held.
         self.removed: OrderedDict[int, None] = OrderedDict()
         self.last_seq: int | None = None
@@ -233,10 +263,12 @@ class KvBlocks:
     def apply(self, events: list[KvEvent], now: float) -> None:
         for ev in events:
             if isinstance(ev, Stored):
-                self._stored(ev)
+                if ev.medium in (None, GPU):
+                    self._stored(ev)
             elif isinstance(ev, Removed):
-                for h in ev.hashes:
-                    self._drop(h)
+                if ev.medium in (None, GPU):
+                    for h in ev.hashes:
+                        self._drop(h)
             else:
                 self.clear()
         self.batches += 1
@@ -257,6 +289,11 @@ class KvBlocks:
             block = ev.token_ids[i * size:(i + 1) * size]
             if len(block) < size:
                 return  # vLLM stores full blocks only
+            if i < len(ev.keyed) and ev.keyed[i]:
+                # A salted (or LoRA, multimodal) block and all after it are not the plain
+                # token chain a prompt matches: not indexed, nor their children.
+                self.keyed += len(ev.hashes) - i
+                return
             key = _link(key, block)
             old = self.by_engine.get(h)
             if old == key:

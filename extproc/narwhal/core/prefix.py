@@ -49,7 +49,9 @@ def prompt_blocks(body: dict[str, Any], tokenizer: Any = None) -> tuple[list[int
     if text is None:
         return [], 0, BLOCK_BYTES
     out: list[int] = []
-    h = 0
+    # vLLM keys a salted prompt's blocks by its salt too: they match only the same salt.
+    salt = body.get("cache_salt")
+    h = 0 if salt is None else hash(("cache_salt", str(salt)))
     if tokenizer is not None:
         ids = tokenizer.encode(text, add_special_tokens=False).ids
         for start in range(0, len(ids) - BLOCK_TOKENS + 1, BLOCK_TOKENS):

@@ -109,7 +109,9 @@ class Scheduler:
         t.predicted_output = self.learning.outputs.predict(t.output_keys, max_tokens)
         if self.config.scheduler.prefix_index_blocks:
             t.blocks, t.prompt_units, t.block_units = prompt_blocks(body, self.tokenizer)
-        if self.prompt_ids is not None:
+        # A salted prompt's blocks are reported with their salt, which the exact match
+        # does not model: its prefix is the index's (salted there) or the hit rate's.
+        if self.prompt_ids is not None and body.get("cache_salt") is None:
             ids = self.prompt_ids.ids(body, chat)
             if ids:
                 t.prompt_ids = ids
