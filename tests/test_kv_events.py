@@ -315,11 +315,8 @@ def test_a_subscriber_that_fails_subscribes_again(monkeypatch):
     """An unforeseen failure while reading (here injected once into the pool) must not
     end the engine's events: the loop subscribes again and reads the next batches."""
     monkeypatch.setattr(loop_module, "RESUBSCRIBE_S", (0.01, 0.01))
-    ctx = zmq.asyncio.Context.instance()
-    pub = ctx.socket(zmq.PUB)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    router = Router(parse({"engines": [
-        {"name": "a", "url": "http://127.0.0.1:1", "kv_events": f"tcp://127.0.0.1:{port}"}]}))
+    pub = Publisher()
+    router = _replaying(pub, replay=False)
     e = router.engines[0]
     real = router.pool.observe_kv_events
     failures = []
@@ -332,23 +329,10 @@ def test_a_subscriber_that_fails_subscribes_again(monkeypatch):
 
     monkeypatch.setattr(router.pool, "observe_kv_events", fail_once)
 
-    async def run() -> None:
-        task = asyncio.ensure_future(loop_module.kv_events_loop(router, e))
-        seq = 0
-        while e.kv.batches == 0:  # a PUB socket drops what no subscriber holds yet
-            assert not task.done()
-            await pub.send_multipart([b"", seq.to_bytes(8, "big"),
-                                      batch(stored([b"a"], None, list(range(BS))))])
-            seq += 1
-            await asyncio.sleep(0.01)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    async def body(task):
+        await _publish_until(pub, lambda: e.kv.batches >= 1, task)
 
-    try:
-        asyncio.run(run())
-    finally:
-        pub.close(linger=0)
+    _run_with(pub, router, body)
     assert failures and e.kv.batches >= 1
 
 

@@ -269,6 +269,7 @@ OPTIONAL_STRINGS: dict[str, tuple[Callable[[str], bool], str]] = {
 }
 MAX_WORKERS = 64
 PORTS = {"serving.extproc_port", "telemetry.admin_port", "engines.port"}
+OPTIONAL_PORTS = {"engines.kv_events_port", "engines.kv_replay_port"}  # 0: none
 
 
 def _build(cls: type, data: Any, path: str) -> Any:
@@ -299,7 +300,8 @@ def _check(hint: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         if generic_key in POSITIVE and value <= 0:
             raise ConfigError(f"{key}: must be positive, got {value}")
-        if generic_key in PORTS and not 0 < value < 65536:
+        if (generic_key in PORTS and not 0 < value < 65536) or (
+                generic_key in OPTIONAL_PORTS and value > 65535):
             raise ConfigError(f"{key}: not a port number: {value}")
         if value < 0:
             raise ConfigError(f"{key}: must not be negative, got {value}")
@@ -372,9 +374,6 @@ def _engines(data: Any) -> tuple[EngineConfig, ...]:
 
 def _discovery(data: dict[str, Any]) -> Discovery:
     d = _build(Discovery, data, "engines")
-    for key in ("kv_events_port", "kv_replay_port"):
-        if getattr(d, key) > 65535:
-            raise ConfigError(f"engines.{key}: not a port number: {getattr(d, key)}")
     if d.kv_replay_port and not d.kv_events_port:
         raise ConfigError("engines.kv_replay_port: replays the engines' KV events; set "
                           "kv_events_port too")
