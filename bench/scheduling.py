@@ -7,10 +7,14 @@ engines under open-loop Poisson load, Narwhal against the routers users pick tod
 Engines: `narwhal sim --profile h100-llama3-8b | a100-llama3-8b | l4-llama3-8b`, all run
 ``--time-scale`` times slower than the profile so that a 2-core machine can drive them;
 times are reported divided by it (real-GPU-equivalent) and the TTFT budget is scaled up
-by it. Workload: streaming chat; four shared system prompts (300-1500 tokens) on 80% of
-conversations; user turns lognormal (median 120 tokens); 35% of requests continue an
-earlier conversation with its history; outputs stop by themselves (lognormal, median 48,
-scaled by the conversation's application) under ``max_tokens`` 1024.
+by it. Workload (``--workload chat``): streaming chat; four shared system prompts
+(300-1500 tokens) on 80% of conversations; user turns lognormal (median 120 tokens); 35%
+of requests continue an earlier conversation with its history; outputs stop by themselves
+(lognormal, median 48, scaled by the conversation's application) under ``max_tokens``
+1024. ``--workload tenants``: the same conversations, each opening with one of 48
+applications' system prompts (median 2,500 tokens), so that the prefix caches are under
+pressure. ``--warmup S`` runs each cell's load S seconds before measuring it (the steady
+state, caches warm, rather than the ramp from an idle pool).
 
 Policies: Narwhal predictive (model seeds at their defaults), Narwhal open, each also with
 the prefix index off (``-noprefix``: the open pair compares placement alone, nothing
@@ -39,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,7 +76,38 @@ def text(rng: random.Random, tokens: int) -> str:
     return " ".join(out)
 
 
-SYSTEMS = [text(random.Random(100 + i), n) for i, n in enumerate((300, 600, 1000, 1500))]
+@dataclass(frozen=True)
+class Mix:
+    """A workload's shared prompts: the system prompts new conversations open with, how
+    often they do, and the pool's saturated throughput on it (GPU-equivalent requests per
+    second, measured with ``--calibrate``: what load 1.0 means)."""
+
+    systems: tuple[str, ...]
+    system_share: float
+    capacity_gpu_rps: float
+
+
+def _tenants(n: int = 48) -> tuple[str, ...]:
+    """``n`` applications' system prompts (lognormal, median 2,500 tokens, 800-6,000):
+    together ~110 k tokens, more than twice what the l4 caches and a quarter of an h100's cache, so
+    where a conversation is placed decides whether its prefix is cached."""
+    rng = random.Random(7)
+    sizes = [min(6000, max(800, round(rng.lognormvariate(math.log(2500), 0.5))))
+             for _ in range(n)]
+    return tuple(text(random.Random(200 + i), size) for i, size in enumerate(sizes))
+
+
+# "chat": four shared system prompts on 80% of conversations (every engine caches all
+# four, so placement decides little beyond follow-ups); "tenants": 48 applications, each
+# with a long system prompt on every conversation (the multi-tenant shape prefix-aware
+# routers are built for, as in llm-d's shared-prefix benchmarks).
+MIXES = {
+    "chat": lambda: Mix(tuple(text(random.Random(100 + i), n)
+                              for i, n in enumerate((300, 600, 1000, 1500))), 0.8, 148.0),
+    # --calibrate measured 158 on it (open; one run): within run-to-run variation of
+    # chat's, so the loads are the same request rates on both.
+    "tenants": lambda: Mix(_tenants(), 1.0, 148.0),
+}
 
 
 @dataclass
@@ -79,14 +115,15 @@ class Workload:
     """Conversations: new ones, and follow-ups that carry their history."""
 
     rng: random.Random
+    mix: Mix
     open: list[list[dict]] = field(default_factory=list)
 
     def next(self) -> list[dict]:
         if self.open and self.rng.random() < 0.35:
             history = self.open.pop(self.rng.randrange(len(self.open)))
         else:
-            history = ([{"role": "system", "content": self.rng.choice(SYSTEMS)}]
-                       if self.rng.random() < 0.8 else [])
+            history = ([{"role": "system", "content": self.rng.choice(self.mix.systems)}]
+                       if self.rng.random() < self.mix.system_share else [])
         user = min(2000, max(8, round(self.rng.lognormvariate(math.log(120), 0.8))))
         return [*history, {"role": "user", "content": text(self.rng, user)}]
 
@@ -159,32 +196,34 @@ async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: in
 CLIENT_TIMEOUT_S = 120.0  # a client gives up (dilated seconds); bounds each cell's drain
 
 
-async def drive(url: str, rate: float, duration: float, seed: int,
-                at: tuple[float, object] | None = None) -> list[Result]:
-    """Poisson arrivals at ``rate`` for ``duration`` s; ``at`` = (second, coroutine fn)
-    runs an action (the drift) part-way."""
+async def drive(url: str, rate: float, duration: float, seed: int, mix: Mix,
+                at: tuple[tuple[float, Callable[[], Awaitable[None]]], ...] = (),
+                warmup: float = 0.0) -> list[Result]:
+    """Poisson arrivals at ``rate`` for ``warmup`` + ``duration`` s; the requests that
+    arrived during the warm-up are not returned. ``at``: (seconds after the warm-up,
+    coroutine function) pairs, started then (counter snapshots, the drift)."""
     rng = random.Random(seed)
-    work = Workload(random.Random(seed + 1))
+    work = Workload(random.Random(seed + 1), mix)
     timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         tasks = []
-        t0 = t = time.monotonic()
-        end = t + duration
+        t = time.monotonic()
+        measured = t + warmup
+        end = measured + duration
+        actions = sorted(at, key=lambda a: a[0])
         i = 0
-        fired = at is None
         while True:
             t += rng.expovariate(rate)
             if t >= end:
                 break
             await asyncio.sleep(max(0.0, t - time.monotonic()))
-            if not fired and t - t0 >= at[0]:
-                fired = True
-                tasks.append(asyncio.ensure_future(at[1]()))
+            while actions and t - measured >= actions[0][0]:
+                tasks.append(asyncio.ensure_future(actions.pop(0)[1]()))
             tasks.append(asyncio.ensure_future(one(session, url, work, seed * 100000 + i)))
             i += 1
         done = await asyncio.gather(*tasks)
-        return [r for r in done if isinstance(r, Result)]
+        return [r for r in done if isinstance(r, Result) and r.start >= measured]
 
 
 def dump(results: list[Result], path: Path) -> None:
@@ -251,24 +290,20 @@ def summarize(results: list[Result], duration: float, budget_s: float, scale: fl
     }
 
 
-# Requests/s the pool completes when saturated, GPU-equivalent (time scale 1), measured
-# with --calibrate (Narwhal open at 4x this, completions per second once queues build).
-CAPACITY_GPU_RPS = 148.0
+def capacity_rps(scale: float, mix: Mix) -> float:
+    return mix.capacity_gpu_rps / scale
 
 
-def capacity_rps(scale: float) -> float:
-    return CAPACITY_GPU_RPS / scale
-
-
-def calibrate(args: argparse.Namespace) -> float:
+def calibrate(args: argparse.Namespace, mix: Mix) -> float:
     """Saturate the pool through Narwhal (open) and count completions per second in the
     last two thirds of the run, when every engine has a queue."""
     pool = Stack(sims=sims(args.time_scale), model=MODEL).start_sims()
-    stack = narwhal_stack(pool, "open", 600_000)
+    stack = narwhal_stack(pool, "open", 600_000, NARWHAL[args.calibrate_with][1])
     try:
         t0 = time.monotonic()
         results = asyncio.run(drive(f"{stack.url}/v1/chat/completions",
-                                    4 * capacity_rps(args.time_scale), args.duration, args.seed))
+                                    4 * capacity_rps(args.time_scale, mix), args.duration,
+                                    args.seed, mix))
     finally:
         stack.stop()
         pool.stop()
@@ -381,7 +416,7 @@ def idle(pool: Stack) -> None:
             time.sleep(0.2)
 
 
-def run_policy(policy: str, loads: list[float], args: argparse.Namespace,
+def run_policy(policy: str, loads: list[float], args: argparse.Namespace, mix: Mix,
                workdir: Path) -> list[tuple[str, float, float, dict]]:
     """A fresh pool (cold prefix caches) per policy; the loads in order."""
     pool = Stack(sims=sims(args.time_scale), model=MODEL).start_sims()
@@ -404,12 +439,20 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace,
             url, stop = f"http://127.0.0.1:{port}/v1/chat/completions", proc.terminate
         try:
             for load in loads:
-                rate = load * capacity_rps(args.time_scale)
-                before = cache_counters(pool)
-                index0 = index_counters(stack) if stack is not None else {}
+                rate = load * capacity_rps(args.time_scale, mix)
+                marks: dict[str, dict] = {}
+
+                async def measured(stack: Stack | None = stack, marks: dict = marks) -> None:
+                    """The warm-up is over: the cell's counters start here."""
+                    marks["engines"] = await asyncio.to_thread(cache_counters, pool)
+                    marks["index"] = (await asyncio.to_thread(index_counters, stack)
+                                      if stack is not None else {})
+
                 watch = (StatusTrace(stack, Path(args.samples) / f"{policy}-{load:g}.status.jsonl")
                          if args.samples and stack is not None else None)
-                results = asyncio.run(drive(url, rate, args.duration, args.seed))
+                results = asyncio.run(drive(url, rate, args.duration, args.seed, mix,
+                                            ((0.0, measured),), args.warmup))
+                before, index0 = marks["engines"], marks["index"]
                 if watch is not None:
                     watch.stop()
                 row = summarize(results, args.duration, budget_s, args.time_scale)
@@ -439,7 +482,7 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace,
     return rows
 
 
-def run_drift(args: argparse.Namespace, load: float) -> dict:
+def run_drift(args: argparse.Namespace, mix: Mix, load: float) -> dict:
     """Narwhal predictive; the fastest engine halves its speed at duration / 3."""
     pool = Stack(sims=sims(args.time_scale), model=MODEL).start_sims()
     budget_s = args.budget_ms * args.time_scale / 1000
@@ -460,8 +503,8 @@ def run_drift(args: argparse.Namespace, load: float) -> dict:
 
     try:
         results = asyncio.run(drive(f"{stack.url}/v1/chat/completions",
-                                    load * capacity_rps(args.time_scale), args.duration,
-                                    args.seed, at=(args.duration / 3, slow_down)))
+                                    load * capacity_rps(args.time_scale, mix), args.duration,
+                                    args.seed, mix, ((args.duration / 3, slow_down),)))
     finally:
         stack.stop()
         pool.stop()
@@ -523,12 +566,20 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--samples", default="",
                         help="a folder for each cell's per-request samples (JSON lines)")
+    parser.add_argument("--workload", choices=sorted(MIXES), default="chat",
+                        help="chat: four shared system prompts; tenants: 48 long ones")
+    parser.add_argument("--warmup", type=float, default=0.0,
+                        help="seconds of load at each cell's rate before it is measured")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure the pool's saturated throughput and exit")
+    parser.add_argument("--calibrate-with", choices=("open", "open-noprefix"), default="open",
+                        help="the placement that saturates the pool for --calibrate")
     args = parser.parse_args()
+    mix = MIXES[args.workload]()
     if args.calibrate:
-        print(f"saturated throughput: {calibrate(args):.1f} req/s GPU-equivalent "
-              f"(CAPACITY_GPU_RPS is {CAPACITY_GPU_RPS:g})")
+        print(f"saturated throughput ({args.workload}, {args.calibrate_with}): "
+              f"{calibrate(args, mix):.1f} req/s GPU-equivalent "
+              f"(the benchmark takes {mix.capacity_gpu_rps:g})")
         return 0
     loads = [float(x) for x in args.loads.split(",")]
     policies = [p for p in args.policies.split(",") if p]
@@ -539,14 +590,17 @@ def main() -> int:
     rows = []
     with scratch("narwhal-sched-") as workdir:
         for policy in policies:
-            rows += run_policy(policy, loads, args, workdir)
-        drift = run_drift(args, 1.0) if args.drift else None
+            rows += run_policy(policy, loads, args, mix, workdir)
+        drift = run_drift(args, mix, 1.0) if args.drift else None
     print(f"Narwhal scheduling benchmark: engines {', '.join(p for _, p in ENGINES)} at "
-          f"time scale {args.time_scale:g}; TTFT budget {args.budget_ms} ms; capacity "
-          f"{capacity_rps(args.time_scale):.2f} req/s (times below are GPU-equivalent)")
+          f"time scale {args.time_scale:g}; workload {args.workload}; TTFT budget "
+          f"{args.budget_ms} ms; capacity {capacity_rps(args.time_scale, mix):.2f} req/s "
+          f"(times below are GPU-equivalent)")
     print(f"reproduce: python -m bench.scheduling --duration {args.duration:g} --loads "
           f"{args.loads} --budget-ms {args.budget_ms} --time-scale {args.time_scale:g} "
-          f"--policies {args.policies} --seed {args.seed}{' --drift' if args.drift else ''}")
+          f"--policies {args.policies} --seed {args.seed} --workload {args.workload} "
+          f"--warmup {args.warmup:g}"
+          f"{' --drift' if args.drift else ''}")
     print(f"{'policy':19} {'load':>4} {'req/s':>6} {'goodput':>7} {'2nd half':>8} {'in-budget':>9} "
           f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TPOT p50':>8} {'p99':>6} {'refused':>7} "
           f"{'pred p50/p90/MAPE':>19} {'out MAPE':>8} {'hit':>5} {'hit gap':>7}")
