@@ -607,7 +607,7 @@ def main() -> int:
     for policy, load, rate, s in rows:
         err = (f"{_fmt(s['err50'], True)}/{_fmt(s['err90'], True)}/{_fmt(s['mape'], True)}"
                if s["err50"] is not None else "-")
-        print(f"{policy:19} {load:4.1f} {rate:6.2f} {s['goodput']:7.2f} {s['goodput_late']:8.2f} "
+        print(f"{policy:19} {load!s:>4} {rate:6.2f} {s['goodput']:7.2f} {s['goodput_late']:8.2f} "
               f"{s['in_budget']:9.1%} "
               f"{_fmt(s['ttft50']):>8} {_fmt(s.get('ttft90')):>7} {_fmt(s['ttft99']):>7} "
               f"{_fmt(s['tpot50']):>8} {_fmt(s['tpot99']):>6} {s['refused']:7.1%} {err:>19} "
