@@ -11,8 +11,8 @@ by it. Workload (``--workload chat``): streaming chat; four shared system prompt
 (300-1500 tokens) on 80% of conversations; user turns lognormal (median 120 tokens); 35%
 of requests continue an earlier conversation with its history; outputs stop by themselves
 (lognormal, median 48, scaled by the conversation's application) under ``max_tokens``
-1024. ``--workload tenants``: the same conversations, each opening with one of 48
-applications' system prompts (median 2,500 tokens), so that the prefix caches are under
+1024. ``--workload tenants``: the same conversations, each opening with one of
+``--tenants`` (48) applications' system prompts (median 2,500 tokens), so that the prefix caches are under
 pressure. ``--warmup S`` runs each cell's load S seconds before measuring it (the steady
 state, caches warm, rather than the ramp from an idle pool).
 
@@ -102,11 +102,11 @@ def _tenants(n: int = 48) -> tuple[str, ...]:
 # with a long system prompt on every conversation (the multi-tenant shape prefix-aware
 # routers are built for, as in llm-d's shared-prefix benchmarks).
 MIXES = {
-    "chat": lambda: Mix(tuple(text(random.Random(100 + i), n)
+    "chat": lambda n: Mix(tuple(text(random.Random(100 + i), n)
                               for i, n in enumerate((300, 600, 1000, 1500))), 0.8, 148.0),
     # --calibrate measured 158 on it (open; one run): within run-to-run variation of
     # chat's, so the loads are the same request rates on both.
-    "tenants": lambda: Mix(_tenants(), 1.0, 148.0),
+    "tenants": lambda n: Mix(_tenants(n), 1.0, 148.0),
 }
 
 
@@ -568,6 +568,8 @@ def main() -> int:
                         help="a folder for each cell's per-request samples (JSON lines)")
     parser.add_argument("--workload", choices=sorted(MIXES), default="chat",
                         help="chat: four shared system prompts; tenants: 48 long ones")
+    parser.add_argument("--tenants", type=int, default=48,
+                        help="applications (system prompts) of the tenants workload")
     parser.add_argument("--warmup", type=float, default=0.0,
                         help="seconds of load at each cell's rate before it is measured")
     parser.add_argument("--calibrate", action="store_true",
@@ -575,7 +577,7 @@ def main() -> int:
     parser.add_argument("--calibrate-with", choices=("open", "open-noprefix"), default="open",
                         help="the placement that saturates the pool for --calibrate")
     args = parser.parse_args()
-    mix = MIXES[args.workload]()
+    mix = MIXES[args.workload](args.tenants)
     if args.calibrate:
         print(f"saturated throughput ({args.workload}, {args.calibrate_with}): "
               f"{calibrate(args, mix):.1f} req/s GPU-equivalent "
@@ -599,7 +601,7 @@ def main() -> int:
     print(f"reproduce: python -m bench.scheduling --duration {args.duration:g} --loads "
           f"{args.loads} --budget-ms {args.budget_ms} --time-scale {args.time_scale:g} "
           f"--policies {args.policies} --seed {args.seed} --workload {args.workload} "
-          f"--warmup {args.warmup:g}"
+          f"--tenants {args.tenants} --warmup {args.warmup:g}"
           f"{' --drift' if args.drift else ''}")
     print(f"{'policy':19} {'load':>4} {'req/s':>6} {'goodput':>7} {'2nd half':>8} {'in-budget':>9} "
           f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TPOT p50':>8} {'p99':>6} {'refused':>7} "
