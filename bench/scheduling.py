@@ -12,9 +12,9 @@ by it. Workload (``--workload chat``): streaming chat; four shared system prompt
 of requests continue an earlier conversation with its history; outputs stop by themselves
 (lognormal, median 48, scaled by the conversation's application) under ``max_tokens``
 1024. ``--workload tenants``: the same conversations, each opening with one of
-``--tenants`` (48) applications' system prompts (median 2,500 tokens), so that the prefix caches are under
-pressure. ``--warmup S`` runs each cell's load S seconds before measuring it (the steady
-state, caches warm, rather than the ramp from an idle pool).
+``--tenants`` (48) applications' system prompts (median 2,500 tokens), so that the prefix
+caches are under pressure. ``--warmup S`` runs each cell's load S seconds before
+measuring it (the steady state, caches warm, rather than the ramp from an idle pool).
 
 Policies: Narwhal predictive (model seeds at their defaults), Narwhal open, each also with
 the prefix index off (``-noprefix``: the open pair compares placement alone, nothing
