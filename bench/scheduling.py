@@ -78,13 +78,11 @@ def text(rng: random.Random, tokens: int) -> str:
 
 @dataclass(frozen=True)
 class Mix:
-    """A workload's shared prompts: the system prompts new conversations open with, how
-    often they do, and the pool's saturated throughput on it (GPU-equivalent requests per
-    second, measured with ``--calibrate``: what load 1.0 means)."""
+    """A workload's shared prompts: the system prompts new conversations open with, and
+    how often they do."""
 
     systems: tuple[str, ...]
     system_share: float
-    capacity_gpu_rps: float
 
 
 def _tenants(n: int = 48) -> tuple[str, ...]:
@@ -97,17 +95,18 @@ def _tenants(n: int = 48) -> tuple[str, ...]:
     return tuple(text(random.Random(200 + i), size) for i, size in enumerate(sizes))
 
 
-# "chat": four shared system prompts on 80% of conversations (every engine caches all
-# four, so placement decides little beyond follow-ups); "tenants": 48 applications, each
-# with a long system prompt on every conversation (the multi-tenant shape prefix-aware
-# routers are built for, as in llm-d's shared-prefix benchmarks).
-MIXES = {
-    "chat": lambda n: Mix(tuple(text(random.Random(100 + i), n)
-                              for i, n in enumerate((300, 600, 1000, 1500))), 0.8, 148.0),
-    # --calibrate measured 158 on it (open; one run): within run-to-run variation of
-    # chat's, so the loads are the same request rates on both.
-    "tenants": lambda n: Mix(_tenants(n), 1.0, 148.0),
-}
+WORKLOADS = ("chat", "tenants")
+
+
+def workload_mix(workload: str, tenants: int) -> Mix:
+    """"chat": four shared system prompts on 80% of conversations (every engine caches
+    all four, so placement decides little beyond follow-ups); "tenants": ``tenants``
+    applications, each with a long system prompt on every conversation (the multi-tenant
+    shape prefix-aware routers are built for, as in llm-d's shared-prefix benchmarks)."""
+    if workload == "tenants":
+        return Mix(_tenants(tenants), 1.0)
+    return Mix(tuple(text(random.Random(100 + i), size)
+                     for i, size in enumerate((300, 600, 1000, 1500))), 0.8)
 
 
 @dataclass
@@ -290,8 +289,15 @@ def summarize(results: list[Result], duration: float, budget_s: float, scale: fl
     }
 
 
-def capacity_rps(scale: float, mix: Mix) -> float:
-    return mix.capacity_gpu_rps / scale
+# Requests/s the pool completes when saturated, GPU-equivalent (time scale 1), measured
+# with --calibrate (Narwhal open at 4x this, completions per second once queues build) on
+# chat. On tenants it measured 158 (one run), within run-to-run variation: both workloads
+# take this, so a load is the same request rate on both.
+CAPACITY_GPU_RPS = 148.0
+
+
+def capacity_rps(scale: float) -> float:
+    return CAPACITY_GPU_RPS / scale
 
 
 def calibrate(args: argparse.Namespace, mix: Mix) -> float:
@@ -302,7 +308,7 @@ def calibrate(args: argparse.Namespace, mix: Mix) -> float:
     try:
         t0 = time.monotonic()
         results = asyncio.run(drive(f"{stack.url}/v1/chat/completions",
-                                    4 * capacity_rps(args.time_scale, mix), args.duration,
+                                    4 * capacity_rps(args.time_scale), args.duration,
                                     args.seed, mix))
     finally:
         stack.stop()
@@ -439,7 +445,7 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace, mix: M
             url, stop = f"http://127.0.0.1:{port}/v1/chat/completions", proc.terminate
         try:
             for load in loads:
-                rate = load * capacity_rps(args.time_scale, mix)
+                rate = load * capacity_rps(args.time_scale)
                 marks: dict[str, dict] = {}
 
                 async def measured(stack: Stack | None = stack, marks: dict = marks) -> None:
@@ -503,7 +509,7 @@ def run_drift(args: argparse.Namespace, mix: Mix, load: float) -> dict:
 
     try:
         results = asyncio.run(drive(f"{stack.url}/v1/chat/completions",
-                                    load * capacity_rps(args.time_scale, mix), args.duration,
+                                    load * capacity_rps(args.time_scale), args.duration,
                                     args.seed, mix, ((args.duration / 3, slow_down),)))
     finally:
         stack.stop()
@@ -566,7 +572,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--samples", default="",
                         help="a folder for each cell's per-request samples (JSON lines)")
-    parser.add_argument("--workload", choices=sorted(MIXES), default="chat",
+    parser.add_argument("--workload", choices=WORKLOADS, default="chat",
                         help="chat: four shared system prompts; tenants: 48 long ones")
     parser.add_argument("--tenants", type=int, default=48,
                         help="applications (system prompts) of the tenants workload")
@@ -577,11 +583,11 @@ def main() -> int:
     parser.add_argument("--calibrate-with", choices=("open", "open-noprefix"), default="open",
                         help="the placement that saturates the pool for --calibrate")
     args = parser.parse_args()
-    mix = MIXES[args.workload](args.tenants)
+    mix = workload_mix(args.workload, args.tenants)
     if args.calibrate:
         print(f"saturated throughput ({args.workload}, {args.calibrate_with}): "
               f"{calibrate(args, mix):.1f} req/s GPU-equivalent "
-              f"(the benchmark takes {mix.capacity_gpu_rps:g})")
+              f"(CAPACITY_GPU_RPS is {CAPACITY_GPU_RPS:g})")
         return 0
     loads = [float(x) for x in args.loads.split(",")]
     policies = [p for p in args.policies.split(",") if p]
@@ -596,7 +602,7 @@ def main() -> int:
         drift = run_drift(args, mix, 1.0) if args.drift else None
     print(f"Narwhal scheduling benchmark: engines {', '.join(p for _, p in ENGINES)} at "
           f"time scale {args.time_scale:g}; workload {args.workload}; TTFT budget "
-          f"{args.budget_ms} ms; capacity {capacity_rps(args.time_scale, mix):.2f} req/s "
+          f"{args.budget_ms} ms; capacity {capacity_rps(args.time_scale):.2f} req/s "
           f"(times below are GPU-equivalent)")
     print(f"reproduce: python -m bench.scheduling --duration {args.duration:g} --loads "
           f"{args.loads} --budget-ms {args.budget_ms} --time-scale {args.time_scale:g} "
