@@ -464,7 +464,9 @@ def test_a_client_that_leaves_while_its_answer_is_assembled_leaks_nothing(tools_
     with httpx.Client(base_url=tools_pair.stack.admin_url, timeout=10) as admin:
         for _attempt in range(3):
             seen, made0 = _leave_once_decoding(tools_pair, admin, request)
-            if seen == "decoding":
+            # An attempt in which vLLM ran to the end before the close reached it did not
+            # test the case either (a router that never stops the engine fails all three).
+            if seen == "decoding" and _generated(tools_pair) - made0 < 1800:
                 break
         assert seen == "decoding", "every attempt ended before it was seen decoding"
     assert 0 < _generated(tools_pair) - made0 < 1800
