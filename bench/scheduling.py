@@ -206,23 +206,26 @@ async def drive(url: str, rate: float, duration: float, seed: int, mix: Mix,
     timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
-        tasks = []
         t = time.monotonic()
         measured = t + warmup
         end = measured + duration
-        actions = sorted(at, key=lambda a: a[0])
+        # Each action at its own time, arrivals or not (a quiet cell still snapshots).
+        tasks = [asyncio.ensure_future(_at(measured + offset, fn)) for offset, fn in at]
         i = 0
         while True:
             t += rng.expovariate(rate)
             if t >= end:
                 break
             await asyncio.sleep(max(0.0, t - time.monotonic()))
-            while actions and t - measured >= actions[0][0]:
-                tasks.append(asyncio.ensure_future(actions.pop(0)[1]()))
             tasks.append(asyncio.ensure_future(one(session, url, work, seed * 100000 + i)))
             i += 1
         done = await asyncio.gather(*tasks)
         return [r for r in done if isinstance(r, Result) and r.start >= measured]
+
+
+async def _at(when: float, fn: Callable[[], Awaitable[None]]) -> None:
+    await asyncio.sleep(max(0.0, when - time.monotonic()))
+    await fn()
 
 
 def dump(results: list[Result], path: Path) -> None:
