@@ -128,6 +128,30 @@ def test_a_profile_whose_tokens_arrive_in_bursts_still_projects_their_pace():
     assert e.model.tpot_s(1) == pytest.approx(0.1 / 3, rel=0.3)
 
 
+def test_before_any_live_step_the_promise_takes_the_longest_probe_as_the_step():
+    """Regression (tenants benchmark, cold pool at 1.0x): an l4 that had just joined took
+    long cold prompts under load before any request had waited across one of its steps;
+    with no step known, the promise was the bare projection, and 9 of its requests
+    projected at 0.62-0.85 s were measured at 1.0-1.5 s."""
+    from narwhal.core.placement import Candidate
+    from narwhal.core.profiling import Measurement
+
+    r = _router()
+    e = r.engines[0]
+    assert e.model.step_s == 0.0
+    r.learning.profile(e, [(Measurement(n, ttft), 0.0, 0) for n, ttft in
+                           ((64, 0.08), (256, 0.17), (1536, 0.47), (1024, 0.3), (512, 0.21))])
+    assert e.model.step_s == pytest.approx(0.47)
+    e.prefill = 2  # prefills waiting there: the promise is at least a step more
+    assert Candidate(e, 0.3, 0.02, 300, 0.0).ttft_margin_s >= 0.77
+    r.learning.profile(e, [(Measurement(64, 0.04), 0.0, 0),
+                           (Measurement(1536, 0.07), 0.0, 0)])  # a re-profile, faster
+    assert e.model.step_s == pytest.approx(0.07)  # the latest profile's, not the old one's
+    e.model.observe_first_token(10.0, dispatched_at=9.0)
+    e.model.observe_first_token(10.6, dispatched_at=9.8)  # a live step takes over
+    assert e.model.step_s == pytest.approx(0.6)
+
+
 @pytest.mark.parametrize("engines", [1, 2])
 def test_a_drifted_engine_is_profiled_again_before_new_work(engines):
     r = _router(engines)

@@ -70,6 +70,13 @@ class Learning:
         if t.output_keys:
             self.outputs.learn(t.output_keys, t.predicted_output, output_tokens)
 
+    def profile(self, e: EngineState, probes: list[tuple[Measurement, float, int]]) -> None:
+        """A profile's measurements, each with the work ahead and decodes at its start."""
+        for m, work_ahead, decodes in probes:
+            self.probe(e, m, work_ahead, decodes)
+        if probes:  # before any live step, the promise's step (``PerfModel.step_s``)
+            e.model.probe_step_s = max(m.ttft_s for m, _, _ in probes)
+
     def probe(self, e: EngineState, m: Measurement, work_ahead: float, decodes: int) -> None:
         e.model.observe_ttft(work_ahead + m.prompt_tokens, decodes, m.ttft_s)
         e.verified_work = max(e.verified_work, work_ahead + m.prompt_tokens)

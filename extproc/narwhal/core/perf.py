@@ -225,6 +225,7 @@ class PerfModel:
     _run: int = 0  # the latest samples' errors all of one sign: how many, signed
     _first_at: float | None = None  # the latest first token
     _steps: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
+    probe_step_s: float = 0.0  # the latest profile's longest probe TTFT (see step_s)
 
     def __post_init__(self) -> None:
         # Wide priors (a step of 1 s, 10 s per 1000 tokens are within one deviation): the
@@ -282,9 +283,21 @@ class PerfModel:
     @property
     def step_s(self) -> float:
         """How long one of the engine's prefill steps lasts: the median of the recent gaps
-        between first tokens that a waiting request saw (0 before any)."""
-        steps = sorted(self._steps)
-        return steps[len(steps) // 2] if steps else 0.0
+        between first tokens that a waiting request saw; before any, the longest TTFT of
+        its latest profile's probes (0 before a profile).
+
+        Why the probes: an engine that has just joined (or come back) takes its first
+        loaded requests before any of them has waited across a step, and its fit, learned
+        from probes that never shared a step, does not see the step that a request
+        arriving under load waits out (a cold l4 under the tenants benchmark: requests
+        projected at 0.6-0.85 s measured at 1-1.5 s). Its longest probe's prefill (1,536
+        tokens, on an idle engine) is one step holding a long prefill: a lower bound of
+        a loaded step where the token budget is larger, the whole of it where not."""
+        steps = self._steps
+        if steps:
+            ordered = sorted(steps)
+            return ordered[len(ordered) // 2]
+        return self.probe_step_s
 
     def observe_first_token(self, now: float, dispatched_at: float) -> None:
         """A first token at ``now`` of a request dispatched at ``dispatched_at``.

@@ -45,8 +45,7 @@ async def profile_engine(router: Router, engine: EngineState, profiler: Profiler
                 waiter.cancel()
             if task.done():
                 task.result()  # a probe that failed before its first token
-        for m, ahead, decodes in await asyncio.gather(*tasks):
-            router.learning.probe(engine, m, ahead, decodes)
+        router.learning.profile(engine, list(await asyncio.gather(*tasks)))
     except (EngineOutputError, TimeoutError, aiohttp.ClientError, OSError) as exc:
         reason = str(exc) or type(exc).__name__
         profiler.failed(engine, reason, clock())
