@@ -266,15 +266,17 @@ def test_an_engine_step_is_learned_from_first_tokens_a_waiting_request_saw(fresh
     so a later one's first token comes a step after an earlier one's, while it waited
     there. That gap is the engine's step on /status, which admission adds to the
     projection of a request that finds prefills waiting. (The profile's probes are sent
-    one at a time, each at the previous one's first token: they teach no step.)"""
+    one at a time, each at the previous one's first token: they teach no live step; until
+    one is seen, the step is the profile's longest probe, a 1,536-token prefill.)"""
     wait_for(fresh_engine, lambda s: s["engines"][0]["profiled"])
-    assert status(fresh_engine)["engines"][0]["step_ms"] == 0
+    profiled = status(fresh_engine)["engines"][0]
+    assert profiled["live_steps"] == 0 and profiled["step_ms"] > 0, profiled
     generous = {"x-slo-ttft-ms": "60000"}
     futures = [background(fresh_engine, {"messages": prompt(1500), "max_tokens": 2}, generous)
                for _ in range(3)]
     assert all(f.result().status_code == 200 for f in futures)
     engine = status(fresh_engine)["engines"][0]
-    assert engine["step_ms"] > 0, engine
+    assert engine["live_steps"] >= 1 and engine["step_ms"] > 0, engine
 
 
 def test_predictions_track_measurements(predictive):

@@ -141,7 +141,7 @@ def test_before_any_live_step_the_promise_takes_the_longest_probe_as_the_step():
     assert e.model.step_s == 0.0
     r.learning.profile(e, [(Measurement(n, ttft), 0.0, 0) for n, ttft in
                            ((64, 0.08), (256, 0.17), (1536, 0.47), (1024, 0.3), (512, 0.21))])
-    assert e.model.step_s == pytest.approx(0.47)
+    assert e.model.step_s == pytest.approx(0.47) and e.model.live_steps == 0
     e.prefill = 2  # prefills waiting there: the promise is at least a step more
     assert Candidate(e, 0.3, 0.02, 300, 0.0).ttft_margin_s >= 0.77
     r.learning.profile(e, [(Measurement(64, 0.04), 0.0, 0),
@@ -149,7 +149,7 @@ def test_before_any_live_step_the_promise_takes_the_longest_probe_as_the_step():
     assert e.model.step_s == pytest.approx(0.07)  # the latest profile's, not the old one's
     e.model.observe_first_token(10.0, dispatched_at=9.0)
     e.model.observe_first_token(10.6, dispatched_at=9.8)  # a live step takes over
-    assert e.model.step_s == pytest.approx(0.6)
+    assert e.model.step_s == pytest.approx(0.6) and e.model.live_steps == 1
 
 
 @pytest.mark.parametrize("engines", [1, 2])

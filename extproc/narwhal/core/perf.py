@@ -299,6 +299,11 @@ class PerfModel:
             return ordered[len(ordered) // 2]
         return self.probe_step_s
 
+    @property
+    def live_steps(self) -> int:
+        """Live step gaps ``step_s`` has (0: it is the profile's longest probe)."""
+        return len(self._steps)
+
     def observe_first_token(self, now: float, dispatched_at: float) -> None:
         """A first token at ``now`` of a request dispatched at ``dispatched_at``.
 
