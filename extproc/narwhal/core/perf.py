@@ -293,11 +293,8 @@ class PerfModel:
         projected at 0.6-0.85 s measured at 1-1.5 s). Its longest probe's prefill (1,536
         tokens, on an idle engine) is one step holding a long prefill: a lower bound of
         a loaded step where the token budget is larger, the whole of it where not."""
-        steps = self._steps
-        if steps:
-            ordered = sorted(steps)
-            return ordered[len(ordered) // 2]
-        return self.probe_step_s
+        steps = sorted(self._steps)
+        return steps[len(steps) // 2] if steps else self.probe_step_s
 
     @property
     def live_steps(self) -> int:
