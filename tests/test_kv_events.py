@@ -131,6 +131,9 @@ def test_the_table_is_bounded_and_what_it_forgets_is_unknown_not_evicted():
     assert len(kv.by_engine) == 3 and len(kv.held) == 3 and not kv.removed
     # The engine still holds the first blocks: the table cannot say they are not cached.
     assert not kv.complete and kv.match([*ids, 99]) == (0, False)
+    salted = stored([bytes([100 + i]) for i in range(10)], None, ids)
+    kv.apply(decode_batch(batch(salted | {"extra_keys": [["s"]] + [None] * 9})), 2.0)
+    assert kv.keyed == 10 and len(kv.keyed_hashes) == 3  # salted hashes: bounded too
 
 
 def test_salted_blocks_and_other_tiers_are_not_the_prompts_plain_chain():
@@ -143,8 +146,15 @@ def test_salted_blocks_and_other_tiers_are_not_the_prompts_plain_chain():
     ids = list(range(8))
     salted = stored([b"s1", b"s2"], None, ids) | {"extra_keys": [["tenant-a"], None]}
     kv.apply(decode_batch(batch(salted)), 1.0)
+    # A later child of a salted block (vLLM salts the first block's extra keys only) is
+    # salted too: counted keyed, not as a block whose parent was missed; once the engine
+    # evicts the salted block, a child of its hash is a missed parent again.
     kv.apply(decode_batch(batch(stored([b"s3"], b"s2", [8, 9, 10, 11]))), 1.0)
-    assert kv.keyed == 2 and kv.unchained == 1 and not kv.by_engine  # and its child
+    kv.apply(decode_batch(batch(stored([b"s4"], b"s3", [12, 13, 14, 15]))), 1.0)
+    assert kv.keyed == 4 and kv.unchained == 0 and not kv.by_engine
+    kv.apply(decode_batch(batch(removed([b"s3"]))), 1.0)
+    kv.apply(decode_batch(batch(stored([b"s5"], b"s3", [16, 17, 18, 19]))), 1.0)
+    assert kv.keyed == 4 and kv.unchained == 1 and not kv.by_engine
     assert kv.match([*ids, 99]) == (0, True)  # the plain prompt is not cached
     kv.apply(decode_batch(batch(stored([b"p1"], None, ids[:4], size=BS)
                                 | {"medium": "CPU"})), 1.0)

@@ -60,12 +60,22 @@ def test_predicted_cached_tokens_are_the_engines_own(kv_pair):
     # the request) predicts nothing; the same salt again finds the salted blocks.
     predicted, cached, _ = _ask(kv_pair, system, "what is a cow", cache_salt="tenant-a")
     assert predicted == cached == 0
-    predicted, cached, _ = _ask(kv_pair, system, "what is a hen", cache_salt="tenant-a")
+    # Its question is long enough that vLLM stores whole blocks of it after the cached
+    # salted ones, in a batch of their own, chained to a salted parent but without a salt
+    # of their own (vLLM salts a prompt's first block only): salted too, not unchained.
+    hen = "what is a hen? " + "Answer in one word, and say it twice. " * 6
+    predicted, cached, prompt = _ask(kv_pair, system, hen, cache_salt="tenant-a")
     assert cached >= 2 * block and predicted > 0  # the salted prefix: the index's estimate
+    assert prompt - cached > 2 * block  # the question's whole blocks were computed
     wait_for(lambda: kv_pair.engine_status()["kv_events"]["keyed"] >= 2)  # not indexed
     # A prompt the engine never saw: nothing predicted, nothing found.
+    before = kv_pair.engine_status()["kv_events"]["blocks"]
     predicted, cached, _ = _ask(kv_pair, f"Another {uuid.uuid4()} preamble. " * 30, "hi")
     assert predicted == cached == 0
+    # Its blocks come in a batch after the salted question's: by then that was applied.
+    kv = wait_for(lambda: (k := kv_pair.engine_status()["kv_events"])["blocks"] >= before + 2
+                  and k)
+    assert kv["unchained"] == 0 and kv["errors"] == 0
 
 
 @pytest.mark.parametrize("discovered", [False, True], ids=["static", "discovered"])

@@ -187,7 +187,7 @@ class KvBlocks:
 
     __slots__ = ("capacity", "stale_s", "by_engine", "held", "block_size", "batches",
                  "errors", "events_at", "pending_since", "unchained", "removed", "last_seq",
-                 "complete", "replayed", "replayed_to", "keyed")
+                 "complete", "replayed", "replayed_to", "keyed", "keyed_hashes")
 
     def __init__(self, capacity: int, stale_s: float = 5.0) -> None:
         self.capacity = capacity
@@ -199,6 +199,10 @@ class KvBlocks:
         self.errors = 0
         self.unchained = 0  # stored blocks skipped: their parent was never seen
         self.keyed = 0  # stored blocks skipped: keyed by more than tokens (a salt...)
+        # Those blocks' engine hashes (bounded): a block stored later as the child of
+        # one (vLLM puts a salt in the first block's extra keys only) is keyed too, not
+        # a block whose parent was missed.
+        self.keyed_hashes: OrderedDict[Any, None] = OrderedDict()
         # Chain keys the engine reported evicting (bounded): known not held.
         self.removed: OrderedDict[int, None] = OrderedDict()
         self.last_seq: int | None = None
@@ -269,6 +273,7 @@ class KvBlocks:
                 if ev.medium in (None, GPU):
                     for h in ev.hashes:
                         self._drop(h)
+                        self.keyed_hashes.pop(h, None)
             else:
                 self.clear()
         self.batches += 1
@@ -278,6 +283,9 @@ class KvBlocks:
     def _stored(self, ev: Stored) -> None:
         if ev.parent is None:
             key: int | None = ev.block_size
+        elif ev.parent in self.keyed_hashes:
+            self._keyed(ev.hashes)
+            return
         else:
             key = self.by_engine.get(ev.parent)
         if key is None:
@@ -292,7 +300,7 @@ class KvBlocks:
             if i < len(ev.keyed) and ev.keyed[i]:
                 # A salted (or LoRA, multimodal) block and all after it are not the plain
                 # token chain a prompt matches: not indexed, nor their children.
-                self.keyed += len(ev.hashes) - i
+                self._keyed(ev.hashes[i:])
                 return
             key = _link(key, block)
             old = self.by_engine.get(h)
@@ -309,6 +317,14 @@ class KvBlocks:
             # history (a walk ending there must not say "known not cached").
             self._release(self.by_engine.pop(next(iter(self.by_engine))), evicted=False)
             self.complete = False
+
+    def _keyed(self, hashes: list[Any]) -> None:
+        self.keyed += len(hashes)
+        known = self.keyed_hashes
+        for h in hashes:
+            known[h] = None
+        while len(known) > self.capacity:
+            known.popitem(last=False)
 
     def _drop(self, engine_hash: Any) -> None:
         key = self.by_engine.pop(engine_hash, None)
@@ -328,6 +344,7 @@ class KvBlocks:
 
     def clear(self) -> None:
         self.by_engine.clear()
+        self.keyed_hashes.clear()
         self.held.clear()
         self.removed.clear()
 
