@@ -66,7 +66,7 @@ def test_predicted_cached_tokens_are_the_engines_own(kv_pair):
     hen = "what is a hen? " + "Answer in one word, and say it twice. " * 6
     predicted, cached, prompt = _ask(kv_pair, system, hen, cache_salt="tenant-a")
     assert cached >= 2 * block and predicted > 0  # the salted prefix: the index's estimate
-    assert prompt - cached > 2 * block  # the question's whole blocks were computed
+    assert prompt - cached > block  # whole blocks of the question were computed
     wait_for(lambda: kv_pair.engine_status()["kv_events"]["keyed"] >= 2)  # not indexed
     # A prompt the engine never saw: nothing predicted, nothing found.
     before = kv_pair.engine_status()["kv_events"]["blocks"]
