@@ -28,3 +28,16 @@ def scratch(prefix: str) -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
     finally:
         tempfile.tempdir = saved
+
+
+def vllm_router_exe() -> str:
+    """The peer router's executable (``vllm-router`` from PyPI, the ``bench`` extra):
+    this venv's, else one on PATH. Missing, the run stops at once with how to install it,
+    not after the cells that ran before the first one needing it (their results were
+    lost with the traceback)."""
+    own = Path(sys.executable).with_name("vllm-router")
+    exe = str(own) if own.exists() else shutil.which("vllm-router")
+    if exe is None:
+        raise SystemExit("bench: vllm-router is not installed: pip install -e '.[bench]' "
+                         "(make bench and make bench-scheduling do)")
+    return exe

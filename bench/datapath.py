@@ -41,7 +41,7 @@ from pathlib import Path
 
 import orjson
 
-from bench import scratch
+from bench import scratch, vllm_router_exe
 from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, plain_envoy, wait_http
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -116,10 +116,9 @@ def wrk(url: str, body: dict, seconds: float, connections: int, workdir: Path
 
 
 def vllm_router(sim_port: int, workdir: Path) -> tuple[subprocess.Popen, int]:
-    exe = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
     port = free_port()
     log = open(workdir / "vllm-router.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([exe, "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([vllm_router_exe(), "--host", "127.0.0.1", "--port", str(port),
                              "--policy", "round_robin",
                              "--worker-urls", f"http://127.0.0.1:{sim_port}",
                              "--prometheus-port", str(free_port()), "--log-level", "warning"],
@@ -334,6 +333,8 @@ def main() -> int:
     if shutil.which("wrk") is None:
         print("bench: wrk not found (apt-get install wrk)", file=sys.stderr)
         return 2
+    if args.peer:
+        vllm_router_exe()  # before any path runs (--no-peer leaves it out)
     short = {"model": MODEL, "max_tokens": 16,
              "messages": [{"role": "user", "content": "hello there"}]}
     paced = short | {"stream": True, "max_tokens": PACED_TOKENS}

@@ -51,7 +51,7 @@ import aiohttp
 import httpx
 import orjson
 
-from bench import scratch
+from bench import scratch, vllm_router_exe
 from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, plain_envoy, wait_http
 from narwhal.server.telemetry import parse_vllm_metrics
 
@@ -375,10 +375,9 @@ def profiled(stack: Stack, timeout: float = 300.0) -> None:
 
 
 def vllm_router(pool: Stack, policy: str, workdir: Path) -> tuple[subprocess.Popen, int]:
-    exe = Path(sys.executable).with_name("vllm-router")
     port = free_port()
     log = open(workdir / f"vllm-router-{policy}.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([str(exe), "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([vllm_router_exe(), "--host", "127.0.0.1", "--port", str(port),
                              "--policy", policy, "--worker-urls",
                              *[f"http://127.0.0.1:{s.port}" for s in pool.sims],
                              "--prometheus-port", str(free_port()), "--log-level", "warning"],
@@ -597,6 +596,8 @@ def main() -> int:
     for p in policies:
         if p not in POLICIES:
             parser.error(f"unknown policy {p!r}; one of {', '.join(POLICIES)}")
+    if any(p.startswith("vllm-router") for p in policies):
+        vllm_router_exe()  # before any cell runs
     os.environ.setdefault("NARWHAL_LOOP", "uvloop")
     rows = []
     with scratch("narwhal-sched-") as workdir:
