@@ -74,7 +74,7 @@ def test_a_worker_that_dies_is_started_again_and_its_requests_end(two_workers):
 
     def long_stream(i: int) -> str:
         """"done": a 200 stream that ended with [DONE]. A stream the dead worker held
-        ends otherwise: reset after its headers, or Envoy's error reply (500) before."""
+        ends otherwise: reset after its headers, or Envoy's error reply (a 503) before."""
         body = {"model": MODEL, "messages": MSGS, "max_tokens": 400, "stream": True}
         try:
             with httpx.stream("POST", f"{two_workers.url}/v1/chat/completions", json=body,

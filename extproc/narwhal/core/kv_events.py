@@ -273,7 +273,6 @@ class KvBlocks:
                 if ev.medium in (None, GPU):
                     for h in ev.hashes:
                         self._drop(h)
-                        self.keyed_hashes.pop(h, None)
             else:
                 self.clear()
         self.batches += 1
@@ -327,6 +326,8 @@ class KvBlocks:
             known.popitem(last=False)
 
     def _drop(self, engine_hash: Any) -> None:
+        """The engine evicted the block: gone from both tables (a plain or a keyed one)."""
+        self.keyed_hashes.pop(engine_hash, None)
         key = self.by_engine.pop(engine_hash, None)
         if key is not None:
             self._release(key)
