@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal.launch import SimSpec, Stack
 
@@ -290,8 +291,21 @@ def test_predictions_track_measurements(predictive):
                     {"x-slo-ttft-ms": "10000"})
         assert resp.status_code == 200, (
             tokens, resp.text, status(predictive)["engines"][0]["calibration_octaves"])
-    err = status(predictive)["prediction_error"]
+    st = status(predictive)
+    err = st["prediction_error"]
     assert err["samples"] >= 4 and err["p50"] < 0.2
+    # The one engine served them all: its own window is the pool's, and /metrics says so.
+    assert st["engines"][0]["prediction_error"] == err, st["engines"][0]
+    families = {f.name: f for f in text_string_to_metric_families(
+        httpx.get(f"{predictive.admin_url}/metrics", timeout=5).text)}
+    for name, labels in (("narwhal_ttft_prediction_error", {}),
+                         ("narwhal_engine_ttft_prediction_error",
+                          {"engine": st["engines"][0]["name"]})):
+        samples = {(s.name, s.labels.get("quantile")): s.value for s in families[name].samples
+                   if {k: v for k, v in s.labels.items() if k != "quantile"} == labels}
+        assert samples[(name + "_count", None)] >= err["samples"]
+        assert samples[(name, "0.5")] == pytest.approx(err["p50"], abs=1e-4)
+        assert samples[(name, "0.9")] == pytest.approx(err["p90"], abs=1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,11 @@ from ..config import EngineConfig
 from .calibration import Calibration
 from .kv_events import KvBlocks
 from .perf import PerfModel
+from .prediction_error import ErrorWindow
 from .prefix import PrefixIndex
 
 TOKEN_ID_DIALECTS = frozenset({"vllm"})
+ENGINE_ERROR_WINDOW = 512  # an engine's recent TTFT prediction errors (/status, /metrics)
 
 
 @dataclass(slots=True)
@@ -49,6 +51,9 @@ class EngineState:
     # the projection (calibration.py). Per engine: one engine's model error must not
     # widen every margin.
     calibration: Calibration = field(default_factory=Calibration)
+    # How far the TTFT predicted for requests placed here ran from what was measured.
+    prediction_errors: ErrorWindow = field(
+        default_factory=lambda: ErrorWindow(ENGINE_ERROR_WINDOW))
     completed: int = 0
     output_tokens: int = 0
     measurement_failures: int = 0

@@ -11,12 +11,11 @@ change.
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from typing import TYPE_CHECKING
 
 from .engines import EngineState
 from .outputs import OutputLengths
+from .prediction_error import ErrorWindow
 from .profiling import reprofile
 
 if TYPE_CHECKING:
@@ -24,13 +23,13 @@ if TYPE_CHECKING:
     from .profiling import Measurement
     from .scheduler import Ticket
 
-ERROR_WINDOW = 2048  # prediction errors kept for /status
+ERROR_WINDOW = 2048  # prediction errors kept for /status, pool-wide
 
 
 class Learning:
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
-        self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        self.errors = ErrorWindow(ERROR_WINDOW)
         self.outputs = OutputLengths()
 
     def first_token(self, t: Ticket, now: float) -> None:
@@ -52,7 +51,9 @@ class Learning:
             return
         measured = now - t.arrival
         if measured > 0:
-            self.errors.append(abs(t.predicted_ttft_s - measured) / measured)
+            err = abs(t.predicted_ttft_s - measured) / measured
+            self.errors.add(err)
+            e.prediction_errors.add(err)  # which engine's projections run wide
         # Admission compares the budget with projection x the engine's calibration, so
         # that requests admitted close to the budget still meet it when the model is a
         # little optimistic about that engine (projections under 10 ms are not learned).
@@ -87,13 +88,5 @@ class Learning:
             # fit weighs thousands of times and projected a 5 ms engine under 1 ms)
             e.model.observe_interval(decodes + 1, sum(m.intervals) / len(m.intervals))
 
-    def error_quantiles(self) -> dict[str, float | None]:
-        if not self.errors:
-            return {"p50": None, "p90": None, "mape": None, "samples": 0}
-        xs = sorted(self.errors)
-
-        def q(p: float) -> float:
-            return round(xs[min(len(xs) - 1, math.floor(p * len(xs)))], 4)
-
-        return {"p50": q(0.5), "p90": q(0.9), "mape": round(sum(xs) / len(xs), 4),
-                "samples": len(xs)}
+    def error_quantiles(self) -> dict[str, float | int | None]:
+        return self.errors.summary()

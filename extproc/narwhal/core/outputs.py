@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Any
+
+from .prediction_error import ErrorWindow
 
 MAX_KEYS = 4096
 MIN_SAMPLES = 3
@@ -46,7 +48,7 @@ class OutputLengths:
     def __init__(self, default: float = 128.0) -> None:
         self.default = default
         self.stats: OrderedDict[Key, list[float]] = OrderedDict()  # key -> [mean, n]
-        self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        self.errors = ErrorWindow(ERROR_WINDOW)
 
     @staticmethod
     def keys(chat: bool, system: int, max_tokens: int | None, prompt_tokens: int) -> list[Key]:
@@ -67,7 +69,7 @@ class OutputLengths:
     def learn(self, keys: list[Key], predicted: int, actual: int) -> None:
         if actual <= 0:
             return
-        self.errors.append(abs(predicted - actual) / actual)
+        self.errors.add(abs(predicted - actual) / actual)
         for key in keys:
             s = self.stats.get(key)
             if s is None:
@@ -80,8 +82,4 @@ class OutputLengths:
                 self.stats.move_to_end(key)
 
     def error_summary(self) -> dict[str, float | int | None]:
-        if not self.errors:
-            return {"p50": None, "p90": None, "mape": None, "samples": 0}
-        xs = sorted(self.errors)
-        return {"p50": round(xs[len(xs) // 2], 4), "p90": round(xs[int(0.9 * len(xs))], 4),
-                "mape": round(sum(xs) / len(xs), 4), "samples": len(xs)}
+        return self.errors.summary()

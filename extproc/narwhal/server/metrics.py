@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -89,6 +90,7 @@ class RouterCollector(Collector):
                 if v is not None:
                     metric.add_metric([eng.name], v)
             yield metric
+        yield from prediction_errors(self.router)
         lead = self.router.leadership
         if lead is not None:
             yield GaugeMetricFamily("narwhal_leader", "1 while this replica holds the Lease "
@@ -99,6 +101,26 @@ class RouterCollector(Collector):
                                 value=len(self.router.scheduler.queue))
         yield GaugeMetricFamily("narwhal_requests_held", "Requests inside the retention limit",
                                 value=self.router.held)
+
+
+def prediction_errors(router: Router) -> Iterator[Metric]:
+    """Relative TTFT prediction error, |predicted - measured| / measured, for the pool and
+    per engine: summaries whose quantiles are the recent window's (``/status``'s p50 and
+    p90) and whose ``_sum / _count`` is the lifetime mean."""
+    pool = ("narwhal_ttft_prediction_error", "Relative error of the TTFT predicted at "
+            "admission", [({}, router.learning.errors)])
+    engines = ("narwhal_engine_ttft_prediction_error", "Relative error of the TTFT "
+               "predicted at admission, per engine the request was placed on",
+               [({"engine": e.name}, e.prediction_errors) for e in router.engines])
+    for name, doc, windows in (pool, engines):
+        metric = Metric(name, doc, "summary")
+        for labels, window in windows:
+            values = window.quantiles(0.5, 0.9) or [math.nan, math.nan]  # none yet: NaN
+            for q, v in zip(("0.5", "0.9"), values, strict=True):
+                metric.add_sample(name, {**labels, "quantile": q}, v)
+            metric.add_sample(name + "_count", labels, window.count)
+            metric.add_sample(name + "_sum", labels, window.total)
+        yield metric
 
 
 # Per worker process (serving.workers), from the /status rows Workers.status() makes.
