@@ -292,6 +292,16 @@ def summarize(results: list[Result], duration: float, budget_s: float, scale: fl
     }
 
 
+def per_engine_errors(results: list[Result]) -> str:
+    """Where the prediction's tail is: each engine's p90 and MAPE, and its requests."""
+    by: dict[str, list[float]] = {}
+    for r in results:
+        if r.status == 200 and r.ttft_s and r.predicted_s is not None:
+            by.setdefault(r.engine, []).append(abs(r.predicted_s - r.ttft_s) / r.ttft_s)
+    return ", ".join(f"{name} {quantile(errs, 0.9):.1%}/{sum(errs) / len(errs):.1%} "
+                     f"({len(errs)})" for name, errs in sorted(by.items()))
+
+
 # Requests/s the pool completes when saturated, GPU-equivalent (time scale 1), measured
 # with --calibrate (Narwhal open at 4x this, completions per second once queues build) on
 # chat. On tenants it measured 158 (one run), within run-to-run variation: both workloads
@@ -464,6 +474,9 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace, mix: M
                 if watch is not None:
                     watch.stop()
                 row = summarize(results, args.duration, budget_s, args.time_scale)
+                if stack is not None:
+                    print("  prediction p90/MAPE per engine: " + per_engine_errors(results),
+                          file=sys.stderr)
                 if args.samples:
                     dump(results, Path(args.samples) / f"{policy}-{load:g}.jsonl")
                 after = cache_counters(pool)
