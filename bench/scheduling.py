@@ -260,12 +260,19 @@ def quantile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+def ttft_errors(results: list[Result]) -> list[tuple[str, float]]:
+    """Each admitted request's engine and relative TTFT prediction error, where it has
+    both a first token and a prediction."""
+    return [(r.engine, abs(r.predicted_s - r.ttft_s) / r.ttft_s) for r in results
+            if r.status == 200 and r.ttft_s is not None and r.predicted_s is not None]
+
+
 def summarize(results: list[Result], duration: float, budget_s: float, scale: float) -> dict:
     ok = [r for r in results if r.status == 200 and r.ttft_s is not None]
     # admitted (200) but no first token before the client gave up: out of budget too
     admitted = sum(1 for r in results if r.status == 200)
     good = [r for r in ok if r.ttft_s <= budget_s]
-    errs = [abs(r.predicted_s - r.ttft_s) / r.ttft_s for r in ok if r.predicted_s is not None]
+    errs = [err for _, err in ttft_errors(results)]
     out_errs = [abs(r.predicted_tokens - r.tokens) / max(1, r.tokens) for r in ok
                 if r.predicted_tokens is not None]
     tpots = [r.tpot_s / scale for r in ok if r.tpot_s is not None]
@@ -295,9 +302,8 @@ def summarize(results: list[Result], duration: float, budget_s: float, scale: fl
 def per_engine_errors(results: list[Result]) -> str:
     """Where the prediction's tail is: each engine's p90 and MAPE, and its requests."""
     by: dict[str, list[float]] = {}
-    for r in results:
-        if r.status == 200 and r.ttft_s and r.predicted_s is not None:
-            by.setdefault(r.engine, []).append(abs(r.predicted_s - r.ttft_s) / r.ttft_s)
+    for engine, err in ttft_errors(results):
+        by.setdefault(engine, []).append(err)
     return ", ".join(f"{name} {quantile(errs, 0.9):.1%}/{sum(errs) / len(errs):.1%} "
                      f"({len(errs)})" for name, errs in sorted(by.items()))
 

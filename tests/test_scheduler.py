@@ -497,9 +497,9 @@ def test_prediction_errors_are_kept_per_engine_and_for_the_pool():
     def exposed() -> dict[tuple, float]:
         reg = CollectorRegistry()
         reg.register(RouterCollector(router))
-        return {(f.name, s.name, tuple(sorted(s.labels.items()))): s.value
+        return {(f.name, x.name, tuple(sorted(x.labels.items()))): x.value
                 for f in text_string_to_metric_families(generate_latest(reg).decode())
-                for s in f.samples}
+                for x in f.samples}
 
     eng = "narwhal_engine_ttft_prediction_error"
     assert math.isnan(exposed()[(eng, eng, (("engine", "fast"), ("quantile", "0.9")))])
@@ -511,7 +511,7 @@ def test_prediction_errors_are_kept_per_engine_and_for_the_pool():
         placed.append(t)
     clock.t += 1.0
     for t, off in zip(placed, (1.0, 1.5, 1.1), strict=True):
-        t.predicted_ttft_s = off * 1.0  # measured: 1 s after arrival
+        t.predicted_ttft_s = off  # measured: 1 s after arrival
         s.first_token(t, clock.t)
     assert [round(x, 3) for x in fast.prediction_errors.recent] == [0.0, 0.1]
     assert [round(x, 3) for x in slow.prediction_errors.recent] == [0.5]
