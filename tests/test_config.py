@@ -54,6 +54,7 @@ def test_defaults():
     ({"engines": {"discovery": "consul", "name": "x"}}, "engines.discovery: must be one of dns"),
     ({"engines": {"discovery": "dns", "name": "x", "port": 0}}, "engines.port: not a port"),
     ({"telemetry": {"admin_port": 70000}}, "not a port"),
+    ({"telemetry": {"drift_threshold": 1}}, "telemetry.drift_threshold: a relative error"),
     ({"admission": {"queue_limit": True}}, "expected an integer"),
     ({"serving": {"extproc_socket": "narwhal.sock"}}, "serving.extproc_socket: expected an absolute"),
     ({"serving": {"extproc_socket": "/" + "x" * 120}}, "under 108 bytes"),

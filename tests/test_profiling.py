@@ -180,6 +180,9 @@ def test_a_drifted_engine_is_profiled_again_before_new_work(engines):
     assert e.model.drift_resets == 1 and i < 12, i
     # measured again, unless it is the only engine that can serve (no outage for drift)
     assert e.profiled is (engines == 1)
+    # and, measured again, it takes work from what its new profile verifies: the backlog
+    # its old model had verified is history (kept without a profile: nothing replaces it)
+    assert e.verified_work == (1100.0 if engines == 1 else 0.0)
 
 
 def test_profile_probes_count_as_uncached_prompts_sent_to_the_engine():

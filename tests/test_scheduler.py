@@ -525,3 +525,42 @@ def test_prediction_errors_are_kept_per_engine_and_for_the_pool():
     pool = "narwhal_ttft_prediction_error"
     assert samples[(pool, pool + "_count", ())] == 3
     assert samples[(pool, pool + "_sum", ())] == pytest.approx(0.6)
+
+
+def test_every_token_marks_an_engine_steps_end_and_the_next_request_waits_out_the_rest():
+    """An engine takes new work only when its step under way ends, and every running
+    sequence's token leaves at a step's end: the exchange marks each token's arrival on
+    the engine, and the next request's projection counts what is left of the step (the
+    feature the TTFT fit learns from, recorded at dispatch)."""
+    from narwhal.sim.generate import SimOptions, make_plan, stream_events
+
+    router, clock, _ = make_router()
+    fast, _slow = router.engines
+    ex, out = start(router, 50, {"x-gateway-destination-endpoint-subset": fast.endpoint})
+    assert ex.engine is fast
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False,
+                        served=fast.endpoint)
+    plan = make_plan(orjson.loads(out[1].data), SimOptions(), None, None)
+    marks = []
+    for _, data in stream_events(plan):
+        clock.t += 0.05
+        ex.response_body(data, False)
+        marks.append(fast.model.last_step_at)
+    assert ex.ticket.first_token_at is not None
+    assert len(set(marks)) > 5  # each token event moved the mark ...
+    assert fast.model.last_step_at == ex.last_token_at > ex.ticket.first_token_at  # to it
+    # A loaded prefill step of 0.6 s seen from first tokens, and a request in prefill.
+    fast.model.observe_first_token(clock.t + 0.4, dispatched_at=clock.t)
+    fast.model.observe_first_token(clock.t + 1.0, dispatched_at=clock.t + 0.3)
+    clock.t += 1.2  # the step that ended at +1.0 is 0.2 s into the next
+    start(router, 50, {"x-gateway-destination-endpoint-subset": fast.endpoint})
+    assert fast.prefill == 1
+    fast.verified_work = 10_000  # backlogs this large measured here: no extrapolation
+    t = ticket(router, 100)
+    t.candidates = frozenset({fast.endpoint})
+    c = project(fast, t, now=clock.t)
+    assert c.step_wait_s == pytest.approx(0.4)
+    assert c.ttft_s == pytest.approx(fast.model.ttft_s(fast.prefill_work + c.work,
+                                                       fast.decode + fast.prefill, 0.4))
+    assert isinstance(router.scheduler.admit(t, clock.t), Dispatch)
+    assert t.step_wait == pytest.approx(0.4)

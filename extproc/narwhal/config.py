@@ -194,7 +194,9 @@ class Telemetry:
     profiling: bool = True
     profile_timeout_ms: int = 60_000
     # Mean signed relative TTFT error past which an engine's model is found drifted: it is
-    # re-learned and (when another engine can serve) profiled again. 0: never.
+    # re-learned and (when another engine can serve) profiled again. 0: never. The limit
+    # is a ratio: 0.4 is an engine 1/(1-0.4) = 1.67x slower than modeled, and, the other
+    # way, 1.67x faster (an error of -0.4/(1-0.4) = -0.67). Below 1.
     drift_threshold: float = 0.4
     # An engine with KV events that has not published for this long after a dispatch is
     # matched by the approximate prefix index again until its events resume.
@@ -404,6 +406,10 @@ def parse(data: Any) -> Config:
     if adm.ttft_target_ms > adm.max_ttft_target_ms:
         raise ConfigError(f"admission.ttft_target_ms: {adm.ttft_target_ms} exceeds "
                           f"admission.max_ttft_target_ms ({adm.max_ttft_target_ms})")
+    if tel.drift_threshold >= 1:
+        raise ConfigError("telemetry.drift_threshold: a relative error (measured - "
+                          "predicted) / measured stays below 1; must be below 1 (0: never), "
+                          f"got {tel.drift_threshold}")
     if kwargs["telemetry"].tracing.sample_ratio > 1:
         raise ConfigError("telemetry.tracing.sample_ratio: must be between 0 and 1, got "
                           f"{kwargs['telemetry'].tracing.sample_ratio}")

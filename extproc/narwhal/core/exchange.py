@@ -508,6 +508,8 @@ class Exchange:
         t = self.ticket
         if t is not None and t.first_token_at is None:
             self.router.control.first_token(self, now)
+        elif self.engine is not None:  # every token leaves at the end of an engine step
+            self.engine.model.last_step_at = now
         self.last_token_at = now
 
     def _computed_usage(self) -> dict[str, int]:

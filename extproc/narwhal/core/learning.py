@@ -39,7 +39,8 @@ class Learning:
         if t.failover:  # its wait includes the failed attempt: no sample of this engine
             return
         resets = e.model.drift_resets
-        e.model.observe_ttft(t.work_ahead, t.decodes_at_dispatch, now - t.dispatched_at)
+        e.model.observe_ttft(t.work_ahead, t.decodes_at_dispatch, now - t.dispatched_at,
+                             t.step_wait)
         e.verified_work = max(e.verified_work, t.work_ahead)
         # Drifted: measured again before it takes new work, unless it is the only engine
         # that can serve (its reopened model relearns from live traffic then: drift must

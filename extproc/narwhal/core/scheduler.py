@@ -39,7 +39,8 @@ class Ticket:
     dispatched_at: float = 0.0
     work: float = 0.0  # uncached prompt tokens on its engine
     work_ahead: float = 0.0  # the TTFT model's features at dispatch: work ahead + own,
-    decodes_at_dispatch: int = 0  # and the sequences sharing the engine's steps
+    decodes_at_dispatch: int = 0  # and the sequences sharing the engine's steps,
+    step_wait: float = 0.0  # and what was left of its step under way
     predicted_ttft_s: float | None = None  # client-level projection at admission
     first_token_at: float | None = None
     done: bool = False
@@ -210,6 +211,7 @@ class Scheduler:
         _book(e, t)
         t.work_ahead = e.prefill_work
         t.decodes_at_dispatch = e.decode + e.prefill - 1  # as projected (placement.project)
+        t.step_wait = picked.step_wait_s
         return e
 
     def place_passthrough(self, now: float, candidates: frozenset[str] | None
