@@ -224,10 +224,10 @@ def test_stream_equals_vllm_and_tokens_counted(request, case: Case):
     with pair.direct() as c:
         status, direct = sse(c, case.path, body)
     assert status == 200
-    before = pair.engine_status()["output_tokens"]
+    before = pair.settled_engine_status()["output_tokens"]
     with pair.routed() as c:
         status, routed = sse(c, case.path, body)
-    counted = pair.engine_status()["output_tokens"] - before
+    counted = pair.settled_engine_status()["output_tokens"] - before
     assert status == 200
     routed_n, direct_n = normalise_events(routed), normalise_events(direct)
     # Same output, same wire structure; event boundaries are the engine's timing.
@@ -249,10 +249,10 @@ def test_assembled_equals_vllm(request, case: Case):
         status, stream = sse(c, case.path, _body(case, True) | {
             "stream_options": {"include_usage": True}})
     assert direct.status_code == 200 and status == 200
-    before = pair.engine_status()["output_tokens"]
+    before = pair.settled_engine_status()["output_tokens"]
     with pair.routed() as c:
         routed = c.post(case.path, json=body)
-    counted = pair.engine_status()["output_tokens"] - before
+    counted = pair.settled_engine_status()["output_tokens"] - before
     assert routed.status_code == 200, routed.text
     assembled = core(routed.json())
     folded = fold(stream, case.chat, ids=bool(case.body.get("return_token_ids")))

@@ -254,7 +254,7 @@ class PerfModel:
         on an engine whose loaded step is a large share of the budget (an l4's prefill
         step: ~0.6 of 1 s) when in the step a request arrives is the largest part of its
         error (replayed on three benchmark runs' samples: the l4's p90 error 41-48%
-        without this, 31-34% with it). The step's end is the latest token seen from the
+        without it, 31-34% with it). The step's end is the latest token seen from the
         engine (every running sequence's token leaves at a step's end; with
         ``serving.workers`` the scheduler sees first tokens only, a coarser clock); its
         length is a loaded prefill step's while prefills are under way (0 before one is
