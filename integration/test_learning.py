@@ -98,10 +98,11 @@ def near_far():
                        SimSpec("far", args=["--prefill-tps", "1000", "--tpot-ms", "5"])])
 
 
-def test_an_engine_takes_unverified_backlog_only_up_to_twice_what_it_has_verified(near_far):
+def test_an_engine_takes_unverified_backlog_only_up_to_half_again_what_it_verified(near_far):
     """The verified-backlog filter through Envoy: while the faster engine holds its first
     tokens (the simulator's gate), it takes requests only while their prefill work stays
-    within twice the largest backlog it has served a first token behind (its profile's);
+    within 1.5 times the largest backlog it has served a first token behind (its
+    profile's);
     the next goes to the slower engine, though projected slower. Once the first tokens
     come, what was verified grows."""
     for name in ("near", "far"):
@@ -117,9 +118,9 @@ def test_an_engine_takes_unverified_backlog_only_up_to_twice_what_it_has_verifie
             while "far" not in placed:
                 assert len(placed) < 3, placed  # near has 4 prefill slots: not what stops it
                 before = {n: engine(near_far, n)["dispatched"] for n in ("near", "far")}
-                # distinct words first (no shared prefix); ~0.8x the verified backlog in
+                # distinct words first (no shared prefix); ~0.65x the verified backlog in
                 # the router's estimate (4 bytes a token)
-                prompt = f"{len(placed)} request " + "tusk " * int(0.8 * verified * 4 / 5)
+                prompt = f"{len(placed)} request " + "tusk " * int(0.65 * verified * 4 / 5)
                 futures.append(pool.submit(chat, near_far, {"x-slo-ttft-ms": "60000"},
                                            system=prompt, max_tokens=2))
                 now = wait_for(lambda b=before: next(
@@ -127,10 +128,10 @@ def test_an_engine_takes_unverified_backlog_only_up_to_twice_what_it_has_verifie
                      if engine(near_far, n)["dispatched"] > b[n]), None))
                 placed.append(now["name"])
                 near = engine(near_far, "near")
-                assert near["prefill_work"] <= 2 * verified, (placed, near)
+                assert near["prefill_work"] <= 1.5 * verified, (placed, near)
             work = engine(near_far, "near")["prefill_work"] / placed.count("near")
             assert placed == ["near", "near", "far"], (placed, work, verified)
-            assert 3 * work > 2 * verified  # one more would have passed twice the verified
+            assert 3 * work > 1.5 * verified  # one more would have passed 1.5x the verified
         finally:
             httpx.post(f"{sim}/sim/hold", json={"hold": False})
         for f in futures:

@@ -61,13 +61,13 @@ def test_scorers_are_weighted_and_named_in_config():
 
 
 def test_an_engine_is_loaded_past_its_verified_backlog_only_when_every_engine_is():
-    # fast has had first tokens measured behind up to 1000 tokens of prefill, slow behind
-    # 20000: a third 1000-token request would put 3000 on fast, past twice what was
-    # ever checked there, so it goes to slow.
+    # fast has had first tokens measured behind up to 1400 tokens of prefill, slow behind
+    # 20000: a third 1000-token request would put 3000 on fast, past 1.5 times what was
+    # ever checked there (2100), so it goes to slow.
     r = router(admission={"mode": "predictive", "ttft_target_ms": 60000})
     s = r.scheduler
     fast, slow = r.engines
-    fast.verified_work, slow.verified_work = 1000, 20000
+    fast.verified_work, slow.verified_work = 1400, 20000
     assert [s.admit(ticket(), 100.0).engine.name for _ in range(3)] == ["fast", "fast", "slow"]
     # admission judges the engines the request may go to: slow's 2 s, not fast's 0.75 s
     d = s.admit(Ticket(None, 1000, 100.0, 1.5, 160.0), 100.0)
@@ -77,7 +77,7 @@ def test_an_engine_is_loaded_past_its_verified_backlog_only_when_every_engine_is
     assert s.admit(ticket(), 100.0).engine is fast
     # and without the filter configured, fast takes them all
     plain = router(scheduler={"filters": ["subset", "has-slot"]})
-    plain.engines[0].verified_work = 1000
+    plain.engines[0].verified_work = 1400
     assert [plain.scheduler.admit(ticket(), 100.0).engine.name for _ in range(3)] == [
         "fast"] * 3
 
@@ -290,13 +290,13 @@ def test_predictive_admission_holds_a_request_every_engine_would_take_past_its_e
     r = router(admission={"mode": "predictive", "ttft_target_ms": 60000})
     s = r.scheduler
     fast, slow = r.engines
-    fast.verified_work = slow.verified_work = 1000
+    fast.verified_work = slow.verified_work = 1400  # each takes two 1000-token prefills
     placed = [ticket() for _ in range(4)]
     assert [s.admit(t, 100.0).engine.name for t in placed] == ["fast", "fast", "slow", "slow"]
     held = ticket()
     assert isinstance(s.admit(held, 100.0), Queued) and held.engine is None
     assert s.pump(100.1) == []  # nothing changed
-    s.first_token(placed[0], 100.5)  # fast: 1000 ahead now, within twice 1000
+    s.first_token(placed[0], 100.5)  # fast: 1000 ahead now, 2000 within 1.5 x 1400
     assert s.pump(100.5) == [held] and held.engine is fast
     # open admission places it (the promise it keeps is the queue's, not the budget's)
     plain = router(admission={"mode": "open"})

@@ -159,7 +159,7 @@ def reprofile(e: EngineState) -> None:
     e.profile_next_at = 0.0
     e.profile_attempts = 0
     # What its measurements had verified is history too: it takes work again from what
-    # the new profile verifies, doubling as first tokens catch up (verified-backlog).
+    # the new profile verifies, growing as first tokens catch up (verified-backlog).
     # Kept, a drifted a100 came back to 24 placements at once, projected at 7-9 s with its
     # fresh model and measured at 13-19 s.
     e.verified_work = 0.0
