@@ -14,6 +14,7 @@ from narwhal.core.placement import project
 from narwhal.core.router import Router
 from narwhal.core.scheduler import Dispatch, Queued, Refuse, Ticket
 from narwhal.core.sizing import Sizer
+from narwhal.core.steps import BUDGETS
 from narwhal.server.driver import Driver, Runtime
 from narwhal.server.telemetry import parse_vllm_metrics
 
@@ -564,3 +565,38 @@ def test_every_token_marks_an_engine_steps_end_and_the_next_request_waits_out_th
                                                        fast.decode + fast.prefill, 0.4))
     assert isinstance(router.scheduler.admit(t, clock.t), Dispatch)
     assert t.step_wait == pytest.approx(0.4)
+
+
+def test_the_step_model_follows_the_engine_through_the_exchange():
+    """Every token the exchange relays reaches the engine's step model: a stream of
+    steps 50 ms apart teaches it a step's length; the next request's projection counts
+    whole steps, is recorded on its ticket at dispatch, and its first token, relayed
+    through its exchange, judges it and stops following its prompt."""
+    from narwhal.sim.generate import SimOptions, make_plan, stream_events
+
+    router, clock, _ = make_router()
+    fast, _slow = router.engines
+    steps = fast.model.step_model
+    ex, out = start(router, 50, {"x-gateway-destination-endpoint-subset": fast.endpoint})
+    handle = ex.ticket.prefill
+    assert handle is not None and handle in steps.queue
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False,
+                        served=fast.endpoint)
+    plan = make_plan(orjson.loads(out[1].data), SimOptions(), None, None)
+    events = list(stream_events(plan))
+    marks = set()
+    for _, data in events:
+        clock.t += 0.05
+        ex.response_body(data, False)
+        marks.add(steps.last_token_at)
+    marks.discard(None)
+    assert not handle.alive and ex.ticket.prefill is None  # answered: no longer followed
+    assert steps.judged == 1
+    length = steps.lengths[BUDGETS.index(steps.budget)]
+    assert len(marks) > 5 and len(length) == len(marks) - 1  # a step between two tokens
+    assert length.seconds(1) == pytest.approx(0.05)
+    ex2, _ = start(router, 400, {"x-gateway-destination-endpoint-subset": fast.endpoint})
+    t = ex2.ticket
+    assert t.engine is fast and t.steps_s > 0
+    assert t.steps_s == pytest.approx(t.prefill.projected[BUDGETS.index(steps.budget)])
+    assert steps.summary()["following"] == 1

@@ -505,11 +505,13 @@ class Exchange:
     def _tokens(self, n: int) -> None:
         """Output tokens arrived: the first frees the prefill slot; later ones time TPOT."""
         now = self.router.clock()
+        e = self.engine
         t = self.ticket
-        if t is not None and t.first_token_at is None:
+        first = t is not None and t.first_token_at is None
+        if e is not None:  # every token leaves at the end of an engine step (from which
+            e.model.token(now, e.decode + (1 if first else 0))  # its sequence decodes too)
+        if first:
             self.router.control.first_token(self, now)
-        elif self.engine is not None:  # every token leaves at the end of an engine step
-            self.engine.model.last_step_at = now
         self.last_token_at = now
 
     def _computed_usage(self) -> dict[str, int]:

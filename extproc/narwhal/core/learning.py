@@ -35,12 +35,14 @@ class Learning:
     def first_token(self, t: Ticket, now: float) -> None:
         e = t.engine
         assert e is not None
-        e.model.observe_first_token(now, t.dispatched_at)  # a step of the engine that served
+        # a step of the engine that served, and the step model's check of its projection
+        e.model.observe_first_token(now, t.dispatched_at, t.prefill)
+        t.prefill = None
         if t.failover:  # its wait includes the failed attempt: no sample of this engine
             return
         resets = e.model.drift_resets
         e.model.observe_ttft(t.work_ahead, t.decodes_at_dispatch, now - t.dispatched_at,
-                             t.step_wait)
+                             t.step_wait, t.steps_s)
         e.verified_work = max(e.verified_work, t.work_ahead)
         # Drifted: measured again before it takes new work, unless it is the only engine
         # that can serve (its reopened model relearns from live traffic then: drift must

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from .steps import Prefill, StepModel
+
 TTFT_WINDOW = 256  # samples the TTFT fit remembers (replayed: 64 -> 0.29, 256 -> 0.26 MAPE)
 RIDGE = 0.01  # the pull toward the last estimate, as a share of each feature's weight
 # Drift is a bias that lasts, not a few late requests: the mean of about the last seven
@@ -191,13 +193,16 @@ def _solve(m: list[list[float]]) -> list[float] | None:
     return out
 
 
-def _ttft_features(work: float, decodes: int, step_wait: float) -> list[float]:
+def _ttft_features(work: float, decodes: int, step_wait: float,
+                   steps: float) -> list[float]:
     # Scaled so that the prior's variances are of one order: seconds per 1000 tokens.
     # The fourth: even a short prefill waits out whole steps, and a step is longer with
     # more sequences in it (the intercept grows with the decode batch). The fifth: what
-    # is left of the step under way when the request arrives (``step_wait_s``).
+    # is left of the step under way when the request arrives (``step_wait_s``). The
+    # sixth: the step model's projection, whole steps until the prompt's last chunk
+    # (``steps.py``; 0 until it has measured steps).
     k = work / 1000
-    return [1.0, k, k * decodes / 100, decodes / 100, step_wait]
+    return [1.0, k, k * decodes / 100, decodes / 100, step_wait, steps]
 
 
 def _tpot_features(decodes: int) -> list[float]:
@@ -228,13 +233,18 @@ class PerfModel:
     _steps: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     probe_step_s: float = 0.0  # the latest profile's longest probe TTFT (see step_s)
     last_step_at: float | None = None  # the latest token seen from the engine: a step's end
+    step_model: StepModel = field(default_factory=StepModel)  # which prefill each step computes
 
     def __post_init__(self) -> None:
         # Wide priors (a step of 1 s, 10 s per 1000 tokens are within one deviation): the
         # seeds are guesses, and a slow engine must be learned from its first few samples.
-        # The step left to wait counts one for one until measured otherwise.
-        self.ttft = WindowFit([self.overhead_ms / 1000, 1000 / self.prefill_tps, 0.0, 0.0, 1.0],
-                              [1.0, 100.0, 1.0, 1.0, 1.0], TTFT_WINDOW)
+        # The step left to wait counts one for one until measured otherwise; the step
+        # model's projection counts for nothing until the samples show what it is worth
+        # (replayed on a 1.5x benchmark run's first tokens: the fit learns to weigh it
+        # within the warm-up).
+        self.ttft = WindowFit([self.overhead_ms / 1000, 1000 / self.prefill_tps, 0.0, 0.0, 1.0,
+                               0.0],
+                              [1.0, 100.0, 1.0, 1.0, 1.0, 1.0], TTFT_WINDOW)
         self.tpot = WindowFit([self.tpot_ms / 1000, 0.0], [1.0, 1.0], TPOT_WINDOW)
 
     # -- predictions -------------------------------------------------------------------
@@ -242,11 +252,13 @@ class PerfModel:
         """Prompt tokens the engine is expected to compute (its cache covers the rest)."""
         return tokens * (1.0 - self.hit_rate)
 
-    def ttft_s(self, work: float, decodes: int, step_wait: float = 0.0) -> float:
+    def ttft_s(self, work: float, decodes: int, step_wait: float = 0.0,
+               steps: float = 0.0) -> float:
         """Dispatch to first token with ``work`` uncached prefill tokens ahead and own,
-        ``decodes`` sequences sharing the steps, and ``step_wait`` seconds left of the
-        step under way."""
-        return max(MIN_TTFT_S, self.ttft.predict(_ttft_features(work, decodes, step_wait)))
+        ``decodes`` sequences sharing the steps, ``step_wait`` seconds left of the
+        step under way, and ``steps`` the step model's projection."""
+        return max(MIN_TTFT_S,
+                   self.ttft.predict(_ttft_features(work, decodes, step_wait, steps)))
 
     def step_wait_s(self, now: float, prefilling: bool, decodes: int) -> float:
         """What is left of the engine's step under way: a request arriving now joins the
@@ -276,14 +288,15 @@ class PerfModel:
 
     # -- learning ----------------------------------------------------------------------
     def observe_ttft(self, work: float, decodes: int, seconds: float,
-                     step_wait: float = 0.0) -> float:
+                     step_wait: float = 0.0, steps: float = 0.0) -> float:
         """One measured dispatch-to-first-token time; returns its relative error."""
-        predicted = self.ttft_s(work, decodes, step_wait)
+        predicted = self.ttft_s(work, decodes, step_wait, steps)
         if seconds <= 0:
             return 0.0
         # Least squares on the *relative* error (each sample scaled by 1/seconds): short
         # and long prefills count alike, and the fit is the one admission needs.
-        self.ttft.update([v / seconds for v in _ttft_features(work, decodes, step_wait)], 1.0)
+        features = _ttft_features(work, decodes, step_wait, steps)
+        self.ttft.update([v / seconds for v in features], 1.0)
         self.samples += 1
         err = (seconds - predicted) / seconds
         # Clipped below as it is above: a prediction many times the measurement is one
@@ -340,14 +353,26 @@ class PerfModel:
         """Live step gaps ``step_s`` has (0: it is the profile's longest probe)."""
         return len(self._steps)
 
-    def observe_first_token(self, now: float, dispatched_at: float) -> None:
-        """A first token at ``now`` of a request dispatched at ``dispatched_at``.
+    def token(self, now: float, decodes: int) -> None:
+        """A token Narwhal relayed from the engine at ``now`` (``decodes`` sequences decode
+        there): it left at the end of one of the engine's steps. (With
+        ``serving.workers`` the scheduler sees no tokens, only first tokens, and the step
+        model measures no steps: its projection stays 0 and the fit does without.)"""
+        self.last_step_at = now
+        self.step_model.token(now, decodes)
+
+    def observe_first_token(self, now: float, dispatched_at: float,
+                            prefill: Prefill | None = None) -> None:
+        """A first token at ``now`` of a request dispatched at ``dispatched_at``
+        (``prefill``: its handle in the step model).
 
         Why: first tokens leave the engine at the ends of its steps. The gap from the
         previous first token to this one, for a request that was already waiting there
         when the previous one came, spans at least one whole step of the engine under
         load (first tokens of one step arrive together and count as one)."""
         self.last_step_at = now
+        if prefill is not None:
+            self.step_model.first_token(prefill, now)
         last = self._first_at
         if last is not None and now - last < max(0.002, SAME_STEP * self.step_s):
             self._first_at = now  # the same step

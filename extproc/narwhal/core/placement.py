@@ -29,6 +29,7 @@ class Candidate:
     work: float  # the request's own uncached prompt tokens on this engine
     cached: float  # the share of its prompt the engine's prefix index has seen
     step_wait_s: float = 0.0  # what is left of the engine's step under way
+    steps_s: float = 0.0  # the engine's step model's projection (``steps.py``)
     _margin_s: float = field(default=-1.0, init=False, repr=False)
 
     @property
@@ -88,9 +89,13 @@ def project(e: EngineState, t: Ticket, extra_work: float = 0.0,
         work = t.tokens * (1.0 - cached)
     # The sequences sharing the engine's steps while this one waits: the decodes now, and
     # the requests ahead of it in prefill, which decode by the time its own prefill runs.
-    wait = 0.0 if now is None else m.step_wait_s(now, e.prefill > 0, e.decode)
-    return Candidate(e, m.ttft_s(e.prefill_work + work + extra_work, e.decode + e.prefill, wait),
-                     m.tpot_s(e.decode + 1), work, cached, wait)
+    wait = steps = 0.0
+    if now is not None:
+        wait = m.step_wait_s(now, e.prefill > 0, e.decode)
+        steps = m.step_model.project(work + extra_work, e.decode, now)
+    return Candidate(e, m.ttft_s(e.prefill_work + work + extra_work, e.decode + e.prefill, wait,
+                                 steps),
+                     m.tpot_s(e.decode + 1), work, cached, wait, steps)
 
 
 Filter = Callable[["Ticket", list[Candidate], "SchedulerConfig"], list[Candidate]]

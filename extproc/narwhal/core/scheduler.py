@@ -23,6 +23,7 @@ from .outputs import Key, OutputLengths, system_hash
 from .placement import FILTERS, Candidate, Pipeline, extrapolated, project
 from .pool import Pool
 from .prefix import prompt_blocks
+from .steps import Prefill
 
 
 @dataclass(slots=True)
@@ -40,7 +41,9 @@ class Ticket:
     work: float = 0.0  # uncached prompt tokens on its engine
     work_ahead: float = 0.0  # the TTFT model's features at dispatch: work ahead + own,
     decodes_at_dispatch: int = 0  # and the sequences sharing the engine's steps,
-    step_wait: float = 0.0  # and what was left of its step under way
+    step_wait: float = 0.0  # and what was left of its step under way,
+    steps_s: float = 0.0  # and the step model's projection
+    prefill: Prefill | None = None  # its handle in the engine's step model until answered
     predicted_ttft_s: float | None = None  # client-level projection at admission
     first_token_at: float | None = None
     done: bool = False
@@ -147,7 +150,9 @@ class Scheduler:
         projected = min(c.ttft_s for c in cands) + waiting
         t.predicted_ttft_s = projected
         if predictive:
-            alone = min(c.engine.model.ttft_s(c.work, 0) for c in cands)
+            alone = min(c.engine.model.ttft_s(
+                c.work, 0, 0.0, c.engine.model.step_model.project(c.work, 0, now, idle=True))
+                for c in cands)
             if alone > t.budget_s:
                 return Refuse(errors.prompt_too_long(alone, t.budget_s))
             calibrated = min(c.ttft_margin_s for c in cands) + waiting
@@ -212,6 +217,8 @@ class Scheduler:
         t.work_ahead = e.prefill_work
         t.decodes_at_dispatch = e.decode + e.prefill - 1  # as projected (placement.project)
         t.step_wait = picked.step_wait_s
+        t.steps_s = picked.steps_s
+        t.prefill = e.model.step_model.dispatched(t.work, now, e.decode)
         return e
 
     def place_passthrough(self, now: float, candidates: frozenset[str] | None
@@ -307,6 +314,7 @@ class Scheduler:
             return
         if t.first_token_at is None:
             _end_prefill(e, t)
+            _drop_prefill(e, t)
         else:
             e.decode -= 1
         e.decode_backlog = max(0, e.decode_backlog - t.predicted_output)
@@ -335,9 +343,17 @@ def _end_prefill(e: EngineState, t: Ticket) -> None:
     e.prefill_work = max(0.0, e.prefill_work - t.work)
 
 
+def _drop_prefill(e: EngineState, t: Ticket) -> None:
+    """The engine will compute no more of the request's prompt (it ended, or moved)."""
+    if t.prefill is not None:
+        e.model.step_model.dropped(t.prefill)
+        t.prefill = None
+
+
 def _unbook(e: EngineState, t: Ticket) -> None:
     """Undo ``_book``: the request did not go to ``e`` after all (a fallback served)."""
     _end_prefill(e, t)
+    _drop_prefill(e, t)
     e.dispatched -= 1
     e.decode_backlog = max(0, e.decode_backlog - t.predicted_output)
 

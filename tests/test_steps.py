@@ -1,0 +1,173 @@
+"""The step model follows a continuous-batching engine's steps from outside.
+
+The engine here is a loop in the test, not Narwhal's and not the simulator's: every step
+spends a token budget on the running decodes and then on the oldest waiting prompts'
+chunks (only prompts that were there when the step began), costs a fixed time plus a
+time per token, and every prompt whose last chunk it computed answers at its end. The
+model sees what a router sees: the tokens at each step's end, its own dispatches and
+the first tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from narwhal.core.perf import PerfModel
+from narwhal.core.steps import BUDGETS, MAX_QUEUE, MIN_STEPS, StepModel
+
+
+@dataclass
+class Waiting:
+    left: float
+    at: float
+    handle: object
+    projected: float
+    ahead: float = 0.0  # the work ahead and its own, as the router counts it
+    fits: tuple[float, float] = (0.0, 0.0)  # the fits' projections with and without
+
+
+def drive(model: StepModel, budget: int, steps: int, seed: int = 1,
+          decodes: int = 40, perfs: tuple[PerfModel, PerfModel] | None = None,
+          fixed: float = 0.05, per_token: float = 0.0005
+          ) -> list[tuple[float, float, tuple[float, float]]]:
+    """Run the engine for ``steps`` steps at about two thirds of its capacity (prompts
+    of 5-150% of a step's budget); returns (projected, measured, the fits' projections)
+    per first token. ``perfs``: TTFT fits, the first given the step model's projection
+    as its feature and the second not, both learning from every first token."""
+    rng = random.Random(seed)
+    now = 0.0
+    waiting: list[Waiting] = []
+    out = []
+    model.token(now, decodes)
+    for _ in range(steps):
+        # the step plans what is waiting now: decodes first, then the oldest prompts
+        room = budget - decodes
+        plan: list[tuple[Waiting, float]] = []
+        for w in waiting:
+            chunk = min(w.left, room)
+            if chunk <= 0:
+                break
+            plan.append((w, chunk))
+            room -= chunk
+        seconds = fixed + per_token * (budget - room)
+        # requests arrive during the step (they join a later one)
+        arrivals = sorted(now + rng.random() * seconds
+                          for _ in range(rng.choice((0, 0, 0, 1, 1, 2))))
+        for at in arrivals:
+            work = float(rng.randint(budget // 20, budget * 3 // 2))
+            projected = model.project(work, decodes, at)
+            ahead = sum(w.left for w in waiting) + work
+            fits = (0.0, 0.0)
+            if perfs is not None:
+                fits = (perfs[0].ttft_s(ahead, decodes, 0.0, projected),
+                        perfs[1].ttft_s(ahead, decodes))
+            waiting.append(Waiting(work, at, model.dispatched(work, at, decodes), projected,
+                                   ahead, fits))
+        now += seconds
+        model.token(now, decodes)  # the decodes' tokens mark the step's end
+        for w, chunk in plan:
+            w.left -= chunk
+            if w.left <= 0:
+                waiting.remove(w)
+                model.first_token(w.handle, now)  # type: ignore[arg-type]
+                measured = now - w.at
+                if perfs is not None:
+                    perfs[0].observe_ttft(w.ahead, decodes, measured, 0.0, w.projected)
+                    perfs[1].observe_ttft(w.ahead, decodes, measured)
+                out.append((w.projected, measured, w.fits))
+    return out
+
+
+def p90(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[int(0.9 * len(xs))]
+
+
+@pytest.mark.parametrize("budget", [2048, 8192])
+def test_the_model_finds_the_budget_and_projects_whole_steps(budget):
+    model = StepModel()
+    seen = drive(model, budget, 600, per_token=0.0005 * 2048 / budget)
+    assert model.budget == budget
+    length = model.lengths[BUDGETS.index(budget)]
+    assert length.fixed == pytest.approx(0.05, rel=0.05)
+    assert length.per_token == pytest.approx(0.0005 * 2048 / budget, rel=0.05)
+    late = seen[len(seen) // 3:]
+    # Never long; short only by what arrives later and shares the prompt's last step
+    # (prompts sent after it, which the engine packs beside its last chunk).
+    assert all(p <= m * (1 + 1e-9) for p, m, _ in late)
+    errors = sorted((m - p) / m for p, m, _ in late)
+    assert errors[len(errors) // 2] < 0.05
+    assert model.summary()["budget_tokens"] == budget
+
+
+def test_the_fit_takes_the_staircase_as_a_feature():
+    """The TTFT fit, given the step model's projection as its sixth feature, learns to
+    weigh it (the prior gives it nothing) and ends within a few percent."""
+    aware, blind = (PerfModel(prefill_tps=10000, tpot_ms=20, overhead_ms=5) for _ in "ab")
+    seen = drive(aware.step_model, 2048, 800, seed=2, perfs=(aware, blind))
+    late = seen[len(seen) // 2:]
+    with_steps = p90([abs(f[0] - m) / m for _, m, f in late])
+    without = p90([abs(f[1] - m) / m for _, m, f in late])
+    assert with_steps < 0.75 * without, (with_steps, without)
+    assert aware.ttft.theta[5] > 0.5
+
+
+def test_nothing_is_projected_before_steps_are_measured():
+    model = StepModel()
+    assert model.project(1000, 0, 0.0) == 0.0
+    for i in range(MIN_STEPS):
+        model.token(float(i), 10)
+    assert model.project(1000, 0, MIN_STEPS - 1.0) == 0.0  # MIN_STEPS - 1 steps so far
+    model.token(float(MIN_STEPS), 10)
+    assert model.project(1000, 0, float(MIN_STEPS)) > 0.0
+
+
+def test_a_first_token_answers_every_older_prompt():
+    """First tokens leave in arrival order: one says every prompt before it is done,
+    whatever the model thought was left of them."""
+    model = StepModel()
+    for i in range(MIN_STEPS + 1):
+        model.token(i * 0.1, 10)
+    a = model.dispatched(5000, 0.45, 10)
+    b = model.dispatched(5000, 0.46, 10)
+    c = model.dispatched(5000, 0.47, 10)
+    before = model.project(100, 10, 0.48)
+    model.first_token(b, 0.5)
+    assert not a.alive and not b.alive and c.alive
+    assert model.project(100, 10, 0.5) < before
+    assert model.after == [pytest.approx(5000.0)] * len(BUDGETS)
+
+
+def test_a_prompt_that_leaves_unanswered_is_no_longer_ahead():
+    model = StepModel()
+    for i in range(MIN_STEPS + 1):
+        model.token(i * 0.1, 10)
+    a = model.dispatched(3000, 0.45, 10)
+    model.dispatched(500, 0.46, 10)
+    model.dropped(a)  # cancelled, or moved to another engine
+    model.dropped(a)  # twice is once
+    assert model.after == [pytest.approx(500.0)] * len(BUDGETS)
+
+
+def test_an_idle_gap_is_no_step():
+    """With nothing running and nothing planned the gap between two tokens is idle time:
+    it must not teach the step length."""
+    model = StepModel()
+    for i in range(6):
+        model.token(i * 0.1, 10)  # busy: five steps of 0.1 s
+    model.token(0.6, 0)  # the last decode finished; nothing planned
+    model.token(60.6, 0)  # a minute later, a new request's first token
+    i = BUDGETS.index(model.budget)
+    assert len(model.lengths[i]) == 6  # the 0.6 s step counted, the idle minute not
+    assert model.lengths[i].seconds(10) == pytest.approx(0.1)
+
+
+def test_the_prompts_followed_are_bounded():
+    model = StepModel()
+    for i in range(MAX_QUEUE + 10):
+        model.dispatched(10, float(i), 0)
+    assert len(model.queue) == MAX_QUEUE
+    assert model.after[0] == pytest.approx(10 * MAX_QUEUE)
