@@ -139,3 +139,28 @@ def test_an_engine_takes_unverified_backlog_only_up_to_half_again_what_it_verifi
             assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n"), resp.text
     # the second request's first token came behind both requests' work
     assert engine(near_far, "near")["verified_work"] >= 2 * work > verified
+
+
+@pytest.fixture(scope="module")
+def solo():
+    yield from _stack([SimSpec("solo", args=["--tpot-ms", "40"])])
+
+
+def test_the_step_model_learns_the_engines_steps_from_relayed_tokens(solo):
+    """Through Envoy: while one long stream decodes (a token every step), prompts sent
+    one after another are each computed in a step between its tokens; the engine's step
+    model learns those steps' length from the tokens Narwhal relayed, projects the later
+    prompts in whole steps, and each first token judges the projections (/status)."""
+    wait_engine(solo, "solo", lambda e: e["profiled"])
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        long = pool.submit(chat, solo, None, "You write at length.", 200)
+        wait_engine(solo, "solo", lambda e: e["decode"] == 1)  # the long one decodes
+        for _ in range(8):
+            assert chat(solo, max_tokens=2).status_code == 200
+        mid = engine(solo, "solo")
+        assert long.result().status_code == 200
+    model = mid["step_model"]
+    assert model["steps"] >= 4 and model["judged"] >= 8, model
+    assert model["step_fixed_ms"] + model["step_us_per_token"] > 0
+    assert model["budget_tokens"] in (1024, 2048, 4096, 8192, 16384)
+    assert mid["decode"] == 1  # the long stream still held the engine's steps meanwhile

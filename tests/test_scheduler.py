@@ -14,7 +14,7 @@ from narwhal.core.placement import project
 from narwhal.core.router import Router
 from narwhal.core.scheduler import Dispatch, Queued, Refuse, Ticket
 from narwhal.core.sizing import Sizer
-from narwhal.core.steps import BUDGETS
+from narwhal.core.steps import BUDGETS, MIN_STEPS
 from narwhal.server.driver import Driver, Runtime
 from narwhal.server.telemetry import parse_vllm_metrics
 
@@ -569,34 +569,41 @@ def test_every_token_marks_an_engine_steps_end_and_the_next_request_waits_out_th
 
 def test_the_step_model_follows_the_engine_through_the_exchange():
     """Every token the exchange relays reaches the engine's step model: a stream of
-    steps 50 ms apart teaches it a step's length; the next request's projection counts
-    whole steps, is recorded on its ticket at dispatch, and its first token, relayed
-    through its exchange, judges it and stops following its prompt."""
+    steps 50 ms apart marks them; a step that computed a prompt sent meanwhile teaches
+    the step length (a decode-only step does not); the next request's projection counts
+    whole steps and is recorded on its ticket at dispatch; a first token relayed through
+    its exchange judges the projections and ends the following of that prompt."""
     from narwhal.sim.generate import SimOptions, make_plan, stream_events
 
-    router, clock, _ = make_router()
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 16})
     fast, _slow = router.engines
     steps = fast.model.step_model
-    ex, out = start(router, 50, {"x-gateway-destination-endpoint-subset": fast.endpoint})
+    pin = {"x-gateway-destination-endpoint-subset": fast.endpoint}
+    ex, out = start(router, 50, pin)
     handle = ex.ticket.prefill
     assert handle is not None and handle in steps.queue
     ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False,
                         served=fast.endpoint)
     plan = make_plan(orjson.loads(out[1].data), SimOptions(), None, None)
-    events = list(stream_events(plan))
-    marks = set()
-    for _, data in events:
-        clock.t += 0.05
-        ex.response_body(data, False)
-        marks.add(steps.last_token_at)
-    marks.discard(None)
+    events = iter(list(stream_events(plan)))
+
+    def relay(n: int) -> None:  # the stream's next n events, 50 ms apart
+        for _ in range(n):
+            clock.t += 0.05
+            ex.response_body(next(events)[1], False)
+
+    relay(4)
     assert not handle.alive and ex.ticket.prefill is None  # answered: no longer followed
     assert steps.judged == 1
     length = steps.lengths[BUDGETS.index(steps.budget)]
-    assert len(marks) > 5 and len(length) == len(marks) - 1  # a step between two tokens
-    assert length.seconds(1) == pytest.approx(0.05)
-    ex2, _ = start(router, 400, {"x-gateway-destination-endpoint-subset": fast.endpoint})
+    assert len(length) == 0  # decode-only steps so far
+    for _ in range(MIN_STEPS):  # a prompt sent in each step is computed in the next
+        start(router, 400, pin)
+        relay(2)
+    assert len(length) == MIN_STEPS
+    assert length.seconds(1 + 400) == pytest.approx(0.05)
+    ex2, _ = start(router, 400, pin)
     t = ex2.ticket
     assert t.engine is fast and t.steps_s > 0
     assert t.steps_s == pytest.approx(t.prefill.projected[BUDGETS.index(steps.budget)])
-    assert steps.summary()["following"] == 1
+    assert steps.summary()["following"] == MIN_STEPS + 1  # no first tokens for these yet

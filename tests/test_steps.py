@@ -115,54 +115,68 @@ def test_the_fit_takes_the_staircase_as_a_feature():
     assert aware.ttft.theta[5] > 0.5
 
 
+def warm(model: StepModel, steps: int, decodes: int = 10) -> float:
+    """``steps`` steps of 0.1 s, each computing a 100-token prompt sent during the one
+    before; returns the time of the last step's end."""
+    now = 0.0
+    model.token(now, decodes)
+    for _ in range(steps):
+        p = model.dispatched(100, now + 0.01, decodes)
+        now += 0.1
+        model.token(now, decodes)  # the prompt joins the step starting now ...
+        now += 0.1
+        model.token(now, decodes)  # ... which computed it
+        model.first_token(p, now)
+    return now
+
+
 def test_nothing_is_projected_before_steps_are_measured():
     model = StepModel()
     assert model.project(1000, 0, 0.0) == 0.0
-    for i in range(MIN_STEPS):
-        model.token(float(i), 10)
-    assert model.project(1000, 0, MIN_STEPS - 1.0) == 0.0  # MIN_STEPS - 1 steps so far
-    model.token(float(MIN_STEPS), 10)
-    assert model.project(1000, 0, float(MIN_STEPS)) > 0.0
+    now = warm(model, MIN_STEPS - 1)
+    assert model.project(1000, 0, now) == 0.0
+    now = warm(model, 1)
+    assert model.project(1000, 0, now) > 0.0
 
 
 def test_a_first_token_answers_every_older_prompt():
     """First tokens leave in arrival order: one says every prompt before it is done,
     whatever the model thought was left of them."""
     model = StepModel()
-    for i in range(MIN_STEPS + 1):
-        model.token(i * 0.1, 10)
-    a = model.dispatched(5000, 0.45, 10)
-    b = model.dispatched(5000, 0.46, 10)
-    c = model.dispatched(5000, 0.47, 10)
-    before = model.project(100, 10, 0.48)
-    model.first_token(b, 0.5)
+    now = warm(model, MIN_STEPS)
+    a = model.dispatched(5000, now + 0.01, 10)
+    b = model.dispatched(5000, now + 0.02, 10)
+    c = model.dispatched(5000, now + 0.03, 10)
+    before = model.project(100, 10, now + 0.04)
+    model.first_token(b, now + 0.05)
     assert not a.alive and not b.alive and c.alive
-    assert model.project(100, 10, 0.5) < before
+    assert model.project(100, 10, now + 0.05) < before
     assert model.after == [pytest.approx(5000.0)] * len(BUDGETS)
 
 
 def test_a_prompt_that_leaves_unanswered_is_no_longer_ahead():
     model = StepModel()
-    for i in range(MIN_STEPS + 1):
-        model.token(i * 0.1, 10)
-    a = model.dispatched(3000, 0.45, 10)
-    model.dispatched(500, 0.46, 10)
+    now = warm(model, MIN_STEPS)
+    a = model.dispatched(3000, now + 0.01, 10)
+    model.dispatched(500, now + 0.02, 10)
     model.dropped(a)  # cancelled, or moved to another engine
     model.dropped(a)  # twice is once
     assert model.after == [pytest.approx(500.0)] * len(BUDGETS)
 
 
-def test_an_idle_gap_is_no_step():
-    """With nothing running and nothing planned the gap between two tokens is idle time:
-    it must not teach the step length."""
+def test_only_steps_that_computed_prompts_teach_the_step_length():
+    """Decode-only steps are what a projection does not add up, and a gap with nothing
+    planned may be idle time: neither teaches the step length."""
     model = StepModel()
-    for i in range(6):
-        model.token(i * 0.1, 10)  # busy: five steps of 0.1 s
-    model.token(0.6, 0)  # the last decode finished; nothing planned
-    model.token(60.6, 0)  # a minute later, a new request's first token
+    now = warm(model, MIN_STEPS)
     i = BUDGETS.index(model.budget)
-    assert len(model.lengths[i]) == 6  # the 0.6 s step counted, the idle minute not
-    assert model.lengths[i].seconds(10) == pytest.approx(0.1)
+    assert len(model.lengths[i]) == MIN_STEPS
+    for _ in range(5):
+        now += 0.03
+        model.token(now, 10)  # decode-only steps
+    model.token(now + 60, 0)  # a minute later, after an idle gap
+    assert len(model.lengths[i]) == MIN_STEPS
+    assert model.lengths[i].seconds(110) == pytest.approx(0.1)
 
 
 def test_the_prompts_followed_are_bounded():

@@ -37,8 +37,7 @@ BUDGETS = (1024, 2048, 4096, 8192, 16384)  # step token budgets followed side by
 DEFAULT = 2  # the budget projected with before any first token has judged them (4096)
 STEP_WINDOW = 64  # steps whose lengths the step-length fit remembers
 MIN_STEPS = 4  # steps before the fit is used (until then: no projection, 0)
-GAP_SHARE = 0.25  # tokens closer than this share of a decode step belong to one step
-MIN_GAP_S = 0.002
+MIN_GAP_S = 0.002  # tokens closer than this belong to one step (see ``token``)
 ERROR_EWMA = 0.05  # how fast a budget's running error follows new first tokens
 MAX_QUEUE = 4096  # prompts followed per engine (more: the oldest are forgotten)
 
@@ -138,28 +137,30 @@ class StepModel:
                                                                 strict=True)}}
 
     # -- what the engine shows -----------------------------------------------------------
-    def token(self, now: float, decodes: int) -> None:
+    def token(self, now: float, decodes: int) -> bool:
         """A token from the engine at ``now``; ``decodes`` sequences decode there. The
-        first after a gap ends the step under way and starts the next."""
+        first after a gap longer than ``gap_s`` ends the step under way and starts the
+        next (True). The owner sets ``gap_s`` from what it knows of a decode step (the
+        TPOT model: a length learned apart from this model, so that a wrong step length
+        here cannot widen the gap, merge steps and grow wronger)."""
         last = self.last_token_at
         self.last_token_at = now
         if last is not None and now - last <= self.gap_s:
-            return  # the same step's tokens
+            return False  # the same step's tokens
         self._step_ended(now)
         self._plan(now, decodes)
-        i = self._best()
-        if len(self.lengths[i]) >= MIN_STEPS:
-            self.gap_s = max(MIN_GAP_S, GAP_SHARE * self.lengths[i].seconds(decodes))
+        return True
 
     def _step_ended(self, now: float) -> None:
         start = self.step_start
         if start is None:
             return
-        # A step that held nothing Narwhal knows of (an idle engine: the gap is idle time,
-        # not a step) teaches nothing of step lengths.
-        busy = self.step_decodes > 0
+        # Only steps that computed prompts teach step lengths: they are what a projection
+        # adds up (decode-only steps, short and many, pulled a line through both below
+        # the prefill steps it was used for: replayed, dispatch-to-first-token p90 25.3%
+        # -> 24.4%), and a gap with nothing planned may be idle time, not a step.
         for i, planned in enumerate(self.planned):
-            if busy or planned > 0:
+            if planned > 0:
                 self.lengths[i].add(self.step_decodes + planned, now - start)
         for p in self.queue:
             if p.alive:
