@@ -17,8 +17,10 @@ after a gap (``token``) marks a new step; the tokens of one step arrive together
 step's start it plans that step as the engine would: the decodes, then the oldest
 prompts' uncached work up to the budget; at its end it takes the planned work off those
 prompts. A first token says that prompt and every older one are done (first tokens leave
-in arrival order). Each step's length is learned against the tokens it was planned to
-hold (least squares over recent steps: a fixed cost and a cost per token).
+in arrival order). Each step that computed prompts teaches a step's length against the
+tokens it was planned to hold (least squares over recent such steps: a fixed cost and a
+cost per token). Its projection is short only by what arrives later and shares the
+prompt's last step, so ``PerfModel.ttft_s`` never projects less.
 
 What it does not know: the engine's token budget (``--max-num-batched-tokens``, which
 users set and vLLM's default varies by version and GPU). So it follows one model per
