@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from narwhal.core.perf import PerfModel
+from narwhal.core.perf import FLOOR_AFTER, PerfModel
 from narwhal.core.steps import BUDGETS, MAX_QUEUE, MIN_STEPS, StepModel
 
 
@@ -185,3 +185,17 @@ def test_the_prompts_followed_are_bounded():
         model.dispatched(10, float(i), 0)
     assert len(model.queue) == MAX_QUEUE
     assert model.after[0] == pytest.approx(10 * MAX_QUEUE)
+
+
+def test_a_judged_step_model_floors_the_projection():
+    """The staircase errs short only (it misses what arrives later), the fit's line can
+    err short far past the backlogs it learned from: once the step model has been judged
+    by enough first tokens, no projection is shorter than its own; before, it is a guess."""
+    perf = PerfModel(prefill_tps=10000, tpot_ms=20, overhead_ms=5)
+    fitted = perf.ttft_s(2000, 10)
+    assert fitted < 5.0
+    perf.step_model.judged = FLOOR_AFTER - 1
+    assert perf.ttft_s(2000, 10, 0.0, 5.0) < 5.0
+    perf.step_model.judged = FLOOR_AFTER
+    assert perf.ttft_s(2000, 10, 0.0, 5.0) == 5.0
+    assert perf.ttft_s(2000, 10, 0.0, 0.0) == pytest.approx(fitted)  # nothing measured

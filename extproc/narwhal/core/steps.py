@@ -20,7 +20,7 @@ prompts. A first token says that prompt and every older one are done (first toke
 in arrival order). Each step that computed prompts teaches a step's length against the
 tokens it was planned to hold (least squares over recent such steps: a fixed cost and a
 cost per token). Its projection is short only by what arrives later and shares the
-prompt's last step, so ``PerfModel.ttft_s`` never projects less.
+prompt's last step, so ``PerfModel.ttft_s`` never projects less once it has been judged.
 
 What it does not know: the engine's token budget (``--max-num-batched-tokens``, which
 users set and vLLM's default varies by version and GPU). So it follows one model per
