@@ -115,16 +115,19 @@ def test_the_fit_takes_the_staircase_as_a_feature():
     assert aware.ttft.theta[5] > 0.5
 
 
-def warm(model: StepModel, steps: int, decodes: int = 10) -> float:
-    """``steps`` steps of 0.1 s, each computing a 100-token prompt sent during the one
-    before; returns the time of the last step's end."""
+def warm(model: StepModel, steps: int, decodes: int = 10, sizes: tuple[int, ...] = (100,),
+         cost=lambda tokens: 0.1) -> float:
+    """``steps`` steps, each computing a prompt (of ``sizes`` in turn) sent during a
+    decode-only step of 0.1 s before it, and lasting ``cost(tokens)``; returns the time
+    of the last step's end."""
     now = 0.0
     model.token(now, decodes)
-    for _ in range(steps):
-        p = model.dispatched(100, now + 0.01, decodes)
+    for k in range(steps):
+        size = sizes[k % len(sizes)]
+        p = model.dispatched(size, now + 0.01, decodes)
         now += 0.1
         model.token(now, decodes)  # the prompt joins the step starting now ...
-        now += 0.1
+        now += cost(decodes + size)
         model.token(now, decodes)  # ... which computed it
         model.first_token(p, now)
     return now
@@ -199,3 +202,22 @@ def test_a_judged_step_model_floors_the_projection():
     perf.step_model.judged = FLOOR_AFTER
     assert perf.ttft_s(2000, 10, 0.0, 5.0) == 5.0
     assert perf.ttft_s(2000, 10, 0.0, 0.0) == pytest.approx(fitted)  # nothing measured
+
+
+def test_the_step_under_way_is_what_its_plan_costs():
+    """What is left of the step under way is its planned tokens at the learned length
+    (a step computing prompts is longer than a decode-only one); unknown before steps
+    have been measured."""
+    model = StepModel()
+    assert model.wait_s(0.0) is None
+    now = warm(model, MIN_STEPS, sizes=(100, 500), cost=lambda tokens: 0.05 + 0.0005 * tokens)
+    decode_only = model.wait_s(now + 0.01)
+    assert decode_only == pytest.approx(0.05 + 0.0005 * 10 - 0.01)
+    model.dispatched(1000, now + 0.01, 10)
+    now += 0.05
+    model.token(now, 10)  # a step starts, planned with the 1,000-token prompt
+    loaded = model.wait_s(now + 0.01)
+    assert loaded is not None and loaded > decode_only
+    i = BUDGETS.index(model.budget)
+    assert loaded == pytest.approx(model.lengths[i].seconds(1010) - 0.01)
+    assert model.wait_s(now + 100) == 0.0  # overdue: it ends any moment

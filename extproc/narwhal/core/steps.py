@@ -242,6 +242,20 @@ class StepModel:
                 self.after[i] = 0.0
 
     # -- projection ----------------------------------------------------------------------
+    def wait_s(self, now: float) -> float | None:
+        """What is left of the step under way, as planned at its start (its tokens, at
+        the learned step length); None before steps have been measured."""
+        i = self._best()
+        if len(self.lengths[i]) < MIN_STEPS:
+            return None
+        return self._left(i, now)
+
+    def _left(self, i: int, now: float) -> float:
+        if self.step_start is None:
+            return 0.0
+        length = self.lengths[i].seconds(self.step_decodes + self.planned[i])
+        return max(0.0, self.step_start + length - now)
+
     def project(self, work: float, decodes: int, now: float, i: int | None = None,
                 idle: bool = False) -> float:
         """Seconds from now to the first token of a prompt of ``work`` uncached tokens sent
@@ -253,15 +267,11 @@ class StepModel:
         length = self.lengths[i]
         if len(length) < MIN_STEPS:
             return 0.0
-        wait = 0.0
-        if self.step_start is not None and not idle:
-            wait = max(0.0, self.step_start
-                       + length.seconds(self.step_decodes + self.planned[i]) - now)
         ahead = work if idle else self.after[i] + work
         room = max(1.0, BUDGETS[i] - decodes)
         full = int(ahead // room)
         rest = ahead - full * room
-        total = wait + full * length.seconds(decodes + room)
+        total = (0.0 if idle else self._left(i, now)) + full * length.seconds(decodes + room)
         if rest > 0:
             total += length.seconds(decodes + rest)
         return total
