@@ -207,17 +207,24 @@ def test_a_judged_step_model_floors_the_projection():
 def test_the_step_under_way_is_what_its_plan_costs():
     """What is left of the step under way is its planned tokens at the learned length
     (a step computing prompts is longer than a decode-only one); unknown before steps
-    have been measured."""
+    have been measured. The estimate's projection is ``project``'s."""
     model = StepModel()
-    assert model.wait_s(0.0) is None
+
+    def wait(now: float) -> float | None:
+        estimate = model.estimate(100, 10, now)
+        if estimate is not None:
+            assert estimate[1] == pytest.approx(model.project(100, 10, now))
+        return None if estimate is None else estimate[0]
+
+    assert wait(0.0) is None
     now = warm(model, MIN_STEPS, sizes=(100, 500), cost=lambda tokens: 0.05 + 0.0005 * tokens)
-    decode_only = model.wait_s(now + 0.01)
+    decode_only = wait(now + 0.01)
     assert decode_only == pytest.approx(0.05 + 0.0005 * 10 - 0.01)
     model.dispatched(1000, now + 0.01, 10)
     now += 0.05
     model.token(now, 10)  # a step starts, planned with the 1,000-token prompt
-    loaded = model.wait_s(now + 0.01)
+    loaded = wait(now + 0.01)
     assert loaded is not None and loaded > decode_only
     i = BUDGETS.index(model.budget)
     assert loaded == pytest.approx(model.lengths[i].seconds(1010) - 0.01)
-    assert model.wait_s(now + 100) == 0.0  # overdue: it ends any moment
+    assert wait(now + 100) == 0.0  # overdue: it ends any moment

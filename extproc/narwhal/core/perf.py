@@ -200,7 +200,7 @@ def _ttft_features(work: float, decodes: int, step_wait: float,
     # The fourth: even a short prefill waits out whole steps, and a step is longer with
     # more sequences in it (the intercept grows with the decode batch). The fifth: what
     # is left of the step under way when the request arrives (as the step model planned
-    # it, ``StepModel.wait_s``, once it has measured steps; before, ``step_wait_s``). The
+    # it, ``StepModel.estimate``, once it has measured steps; before, ``step_wait_s``). The
     # sixth: the step model's projection, whole steps until the prompt's last chunk
     # (``steps.py``; 0 until it has measured steps).
     k = work / 1000

@@ -96,9 +96,11 @@ def project(e: EngineState, t: Ticket, extra_work: float = 0.0,
         # on two 1.5x runs' logs: the l4's dispatch-to-first-token p90 27.9% -> 22.1%
         # and 44.9% -> 37.4% (whether a step under way computes prompts, and how many,
         # is what the median did not know); the pool's 24.4% -> 22.7%, 26.3% -> 25.4%.
-        planned = m.step_model.wait_s(now)
-        wait = m.step_wait_s(now, e.prefill > 0, e.decode) if planned is None else planned
-        steps = m.step_model.project(work + extra_work, e.decode, now)
+        estimate = m.step_model.estimate(work + extra_work, e.decode, now)
+        if estimate is None:
+            wait = m.step_wait_s(now, e.prefill > 0, e.decode)
+        else:
+            wait, steps = estimate
     return Candidate(e, m.ttft_s(e.prefill_work + work + extra_work, e.decode + e.prefill, wait,
                                  steps),
                      m.tpot_s(e.decode + 1), work, cached, wait, steps)

@@ -242,19 +242,33 @@ class StepModel:
                 self.after[i] = 0.0
 
     # -- projection ----------------------------------------------------------------------
-    def wait_s(self, now: float) -> float | None:
-        """What is left of the step under way, as planned at its start (its tokens, at
-        the learned step length); None before steps have been measured."""
+    def estimate(self, work: float, decodes: int, now: float) -> tuple[float, float] | None:
+        """With the budget that projects: what is left of the step under way (its planned
+        tokens at the learned step length) and ``project``'s projection, computed
+        together (placement asks for both per candidate); None before steps have been
+        measured."""
         i = self._best()
         if len(self.lengths[i]) < MIN_STEPS:
             return None
-        return self._left(i, now)
+        left = self._left(i, now)
+        return left, left + self._steps(i, self.after[i] + work, decodes)
 
     def _left(self, i: int, now: float) -> float:
         if self.step_start is None:
             return 0.0
         length = self.lengths[i].seconds(self.step_decodes + self.planned[i])
         return max(0.0, self.step_start + length - now)
+
+    def _steps(self, i: int, ahead: float, decodes: int) -> float:
+        """Whole steps of budget ``i`` until ``ahead`` uncached tokens are computed."""
+        length = self.lengths[i]
+        room = max(1.0, BUDGETS[i] - decodes)
+        full = int(ahead // room)
+        rest = ahead - full * room
+        total = full * length.seconds(decodes + room)
+        if rest > 0:
+            total += length.seconds(decodes + rest)
+        return total
 
     def project(self, work: float, decodes: int, now: float, i: int | None = None,
                 idle: bool = False) -> float:
@@ -264,14 +278,8 @@ class StepModel:
         with nothing else to do (what the prompt costs alone)."""
         if i is None:
             i = self._best()
-        length = self.lengths[i]
-        if len(length) < MIN_STEPS:
+        if len(self.lengths[i]) < MIN_STEPS:
             return 0.0
-        ahead = work if idle else self.after[i] + work
-        room = max(1.0, BUDGETS[i] - decodes)
-        full = int(ahead // room)
-        rest = ahead - full * room
-        total = (0.0 if idle else self._left(i, now)) + full * length.seconds(decodes + room)
-        if rest > 0:
-            total += length.seconds(decodes + rest)
-        return total
+        if idle:
+            return self._steps(i, work, decodes)
+        return self._left(i, now) + self._steps(i, self.after[i] + work, decodes)
