@@ -132,3 +132,68 @@ def test_a_batch_of_one_prompt_is_its_one_prompt_as_in_vllm():
                      None, None)
     assert text.prompt_text == flat.prompt_text == "narwhal tusk"
     assert text.prompt_tokens == flat.prompt_tokens
+
+
+def test_a_reply_is_cached_and_a_follow_up_carrying_it_hits_its_blocks():
+    # vLLM v1 hashes every full block of a sequence, output included, and caches it once
+    # computed: a follow-up turn whose prompt carries the reply hits the reply's blocks.
+    data = bytes(range(256)) * 4  # 64 tokens of prompt, 64 of reply: 8 blocks of 16
+    hashes = block_hashes(data, 8 * BLOCK_SIZE)
+    s = BatchScheduler(COST)
+    first = Seq(prompt=64, max_out=64, hashes=hashes)
+    again = Seq(prompt=64, max_out=64, hashes=hashes)
+    s.add(first)
+    run(s)
+    # The same prompt again (the same reply to come): only the prompt's blocks are known
+    # at admission, so only they can hit, less the last token's.
+    s.add(again)
+    s.step()
+    assert again.cached_tokens == 63
+    run(s)
+    follow = Seq(prompt=160, max_out=1, hashes=block_hashes(data + b"\xff" * 32 * 8, 8 * BLOCK_SIZE))
+    s.add(follow)
+    s.step()
+    # Every block of prompt and reply but the last: the last sampled token is never
+    # computed, so the block that holds it is never full in the cache.
+    assert follow.cached_tokens == 112
+
+
+def test_a_replys_text_blocks_are_cached_even_where_its_tokens_hold_fewer_kv_blocks():
+    # Text replies are cut into the prompt's 64-byte blocks, and the generator's tokens
+    # are longer than 4 bytes: more hashed blocks than KV blocks. The ones left unpinned
+    # join the cache as the sequence ends; KV accounting stays by tokens.
+    prompt = b"p" * 64
+    reply = b"r" * 8 * 40  # 40 tokens of 8 bytes: 5 blocks of text, 3 KV blocks of reply
+    hashes = block_hashes(prompt + reply, 64)
+    full_at = [16] + [16 + 8 * (i + 1) for i in range(5)]
+    s = BatchScheduler(COST)
+    q = Seq(prompt=16, max_out=40, hashes=hashes, full_at=full_at)
+    s.add(q)
+    run(s)
+    assert s.private == 0 and not s.ref
+    assert set(hashes[:5]) <= set(s.evictable)  # the last needs the never-computed token
+    assert hashes[5] not in s.evictable
+    follow = Seq(prompt=100, max_out=1, hashes=hashes[:5])
+    s.add(follow)
+    s.step()
+    assert follow.cached_tokens == 5 * 16
+
+
+def test_the_engine_hashes_a_chat_reply_as_the_follow_up_renders_it():
+    from narwhal.sim.generate import SimOptions, make_plan
+    from narwhal.sim.server import _hashes
+
+    body = {"model": "narwhal-sim", "max_tokens": 200, "messages": [
+        {"role": "system", "content": "be brief " * 40}, {"role": "user", "content": "hi " * 30}]}
+    plan = make_plan(body, SimOptions(), None, None)
+    reply = "".join(t.piece for t in plan.choices[0])
+    hashes, full_at = _hashes(plan)
+    follow = make_plan({**body, "messages": [*body["messages"], {"role": "assistant", "content": reply},
+                                             {"role": "user", "content": "more " * 30}]},
+                       SimOptions(), None, None)
+    follow_hashes, _ = _hashes(follow)
+    prompt_blocks = len(plan.prompt_text.encode()) // 64
+    reply_blocks = len(hashes) - prompt_blocks
+    assert reply_blocks >= 3 and full_at[prompt_blocks] > plan.prompt_tokens
+    assert full_at == sorted(full_at) and full_at[-1] <= plan.prompt_tokens + len(plan.choices[0])
+    assert follow_hashes[:len(hashes)] == hashes  # prompt and reply, block for block

@@ -8,7 +8,10 @@ at most ``--max-num-seqs`` sequences run; the KV cache is a pool of fixed-size b
 and when a running sequence cannot get a block the newest running sequence is
 preempted and recomputed later; full prompt blocks are cached under chained hashes and
 reused by later prompts with the same prefix (automatic prefix caching), least
-recently used first out. A step costs ``base + per_token * scheduled tokens +
+recently used first out. As in vLLM v1, a sequence's block hashes cover its output too
+(the engine hashes every full block of prompt and generated tokens, and caches it once
+computed), so a follow-up turn that carries the reply in its prompt hits the reply's
+blocks as well as the earlier prompt's. A step costs ``base + per_token * scheduled tokens +
 per_ctx * context attended``, so decode load slows prefill and long contexts slow both.
 
 ``BatchScheduler.step()`` plans one step and returns its cost and what it produced;
@@ -18,6 +21,7 @@ the HTTP layer (``server.py``) sleeps that long and then shows the tokens to cli
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_right
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -75,7 +79,11 @@ class Seq:
 
     prompt: int  # prompt tokens
     max_out: int  # tokens it will generate
-    hashes: list[int] = field(default_factory=list)  # full prompt blocks, chained
+    hashes: list[int] = field(default_factory=list)  # full blocks of prompt + reply, chained
+    # Tokens computed when each of ``hashes`` is full; empty: every block is 16 tokens
+    # (a prompt's, or token IDs). A reply's blocks are cut from its rendered text, whose
+    # length in tokens is the generator's, not the prompt's 4 bytes a token.
+    full_at: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose KV exists
     out: int = 0  # tokens generated so far
     pinned: list[int] = field(default_factory=list)  # cached blocks it holds (hashes)
@@ -84,9 +92,17 @@ class Seq:
     aborted: bool = False
     cached_tokens: int = 0  # prefix-cache hit at its (last) admission
 
+    def __post_init__(self) -> None:
+        if not self.full_at:
+            self.full_at = [(i + 1) * BLOCK_SIZE for i in range(len(self.hashes))]
+
     @property
     def blocks(self) -> int:
         return len(self.pinned) + self.private
+
+    def full_blocks(self, tokens: int) -> int:
+        """How many of its hashed blocks the first ``tokens`` tokens fill."""
+        return bisect_right(self.full_at, tokens)
 
 
 @dataclass(slots=True)
@@ -162,6 +178,14 @@ class BatchScheduler:
 
     def _free(self, seq: Seq) -> None:
         # Tail blocks first, so that they are evicted before the prefix others share (vLLM).
+        # A reply's text may fill more hashed blocks than its tokens hold KV blocks (the
+        # generator's tokens are longer than the prompt's 4 bytes): those full blocks that
+        # no KV block was left to pin are cached as the sequence lets go of its memory.
+        if self.prefix_caching:
+            full = min(seq.full_blocks(seq.computed), len(seq.hashes))
+            for h in reversed(seq.hashes[len(seq.pinned):full]):
+                if h not in self.ref and h not in self.evictable:
+                    self.evictable[h] = None
         for h in reversed(seq.pinned):
             left = self.ref[h] - 1
             if left:
@@ -177,7 +201,8 @@ class BatchScheduler:
         if not self.prefix_caching:
             return 0
         hit = 0
-        for h in seq.hashes:
+        # The blocks of the tokens it has (a recomputed sequence has its output too).
+        for h in seq.hashes[:seq.full_blocks(seq.prompt + seq.out)]:
             if h in self.ref:
                 self.ref[h] += 1
             elif h in self.evictable:
@@ -187,14 +212,14 @@ class BatchScheduler:
                 break
             seq.pinned.append(h)
             hit += 1
-        # The last prompt token is always computed (its logits sample the first token).
-        return min(hit * BLOCK_SIZE, seq.prompt - 1 + seq.out)
+        # The last token is always computed (its logits sample the next one).
+        return min(seq.full_at[hit - 1] if hit else 0, seq.prompt - 1 + seq.out)
 
     def _cache_full_blocks(self, seq: Seq) -> None:
-        """Prompt blocks that became full join the cache (vLLM caches on completion)."""
+        """Blocks that became full, prompt or reply, join the cache (vLLM v1)."""
         if not self.prefix_caching:
             return
-        full = min(seq.computed, seq.prompt) // BLOCK_SIZE
+        full = seq.full_blocks(seq.computed)
         while len(seq.pinned) < min(full, len(seq.hashes)) and seq.private > 0:
             h = seq.hashes[len(seq.pinned)]
             if h in self.ref or h in self.evictable:

@@ -36,12 +36,33 @@ log = logging.getLogger("narwhal.sim")
 PROMPT_BYTES_PER_TOKEN = 4  # generate.count_prompt_tokens
 
 
-def _hashes(plan: Plan) -> list[int]:
-    """The prompt's chained block hashes: over the rendered text (4 bytes a token), or
-    over the token IDs of a token prompt."""
-    if plan.prompt_text:
-        return block_hashes(plan.prompt_text.encode(), PROMPT_BYTES_PER_TOKEN * BLOCK_SIZE)
-    return block_hashes(array("q", plan.prompt_token_ids).tobytes(), 8 * BLOCK_SIZE)
+def _hashes(plan: Plan) -> tuple[list[int], list[int]]:
+    """The chained block hashes of the prompt and of the reply that continues it, and the
+    tokens computed when each block is full: over the rendered text (the prompt at 4
+    bytes a token, then the reply's text token by token), or over the token IDs of a
+    token prompt and of the reply. The reply is the first choice's, while it is plain
+    text (content or completion text): what a follow-up turn renders back."""
+    reply = plan.choices[0] if plan.n == 1 and plan.choices else []
+    if not plan.prompt_text:
+        ids = plan.prompt_token_ids + [tok.id for tok in reply]
+        return block_hashes(array("q", ids).tobytes(), 8 * BLOCK_SIZE), []
+    data = bytearray(plan.prompt_text.encode())
+    size = PROMPT_BYTES_PER_TOKEN * BLOCK_SIZE
+    prompt_blocks = len(data) // size
+    ends: list[int] = []  # the rendered text's length after each reply token
+    for tok in reply:
+        if tok.kind not in ("content", "text"):
+            break
+        data += tok.piece.encode()
+        ends.append(len(data))
+    hashes = block_hashes(bytes(data), size)
+    full_at = [(i + 1) * BLOCK_SIZE for i in range(prompt_blocks)]
+    k = 0
+    for i in range(prompt_blocks, len(hashes)):
+        while ends[k] < (i + 1) * size:
+            k += 1
+        full_at.append(plan.prompt_tokens + k + 1)
+    return hashes, full_at
 
 
 class Engine:
@@ -97,8 +118,9 @@ class Engine:
                     event.set()
 
     def _admit(self, plan: Plan) -> Seq:
+        hashes, full_at = _hashes(plan)
         seq = Seq(prompt=plan.prompt_tokens, max_out=max(1, sum(len(c) for c in plan.choices)),
-                  hashes=_hashes(plan))
+                  hashes=hashes, full_at=full_at)
         self.waiters[seq] = asyncio.Event()
         self.sched.add(seq)
         self.kick.set()
