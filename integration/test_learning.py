@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 
 import httpx
+import openai
 import pytest
 
 from narwhal.launch import SimSpec
@@ -164,3 +165,48 @@ def test_the_step_model_learns_the_engines_steps_from_relayed_tokens(solo):
     assert model["step_fixed_ms"] + model["step_us_per_token"] > 0
     assert model["budget_tokens"] in (1024, 2048, 4096, 8192, 16384)
     assert mid["decode"] == 1  # the long stream still held the engine's steps meanwhile
+
+
+def _engine_hits(stack, name: str) -> tuple[float, float]:
+    """The engine's own prefix-cache counters (queried, hit tokens), from its /metrics."""
+    text = httpx.get(f"{engine(stack, name)['url']}/metrics", timeout=5).text
+    values = {}
+    for line in text.splitlines():
+        for key in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+            if line.startswith(key):
+                values[key] = float(line.rsplit(" ", 1)[1])
+    return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
+
+
+def test_a_conversations_next_turn_is_expected_cached_with_the_reply_it_carries(solo):
+    """Engines cache a reply's blocks as well as the prompt's (vLLM v1), so the next turn
+    of a conversation hits both where the reply was generated. Through Envoy, streaming
+    and not: Narwhal's index expects each turn's hit as the engine then reports it."""
+    wait_engine(solo, "solo", lambda e: e["profiled"])
+    llm = openai.OpenAI(base_url=f"{solo.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    messages = [{"role": "system", "content": "You are a careful narwhal expert. " * 30},
+                {"role": "user", "content": "Tell me everything about narwhal tusks. " * 10}]
+    carried = 0.0  # the earlier turns' prompt and half the reply, in tokens
+    for turn, stream in enumerate((True, False, True)):
+        before, (queried, hits) = engine(solo, "solo"), _engine_hits(solo, "solo")
+        if stream:
+            chunks = list(llm.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=90, stream=True,
+                stream_options={"include_usage": True}))
+            reply = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            prompt = chunks[-1].usage.prompt_tokens
+        else:
+            resp = llm.chat.completions.create(model=MODEL, messages=messages, max_tokens=90)
+            reply, prompt = resp.choices[0].message.content or "", resp.usage.prompt_tokens
+        after, (queried2, hits2) = engine(solo, "solo"), _engine_hits(solo, "solo")
+        assert queried2 - queried == prompt
+        expected = after["index_cached_tokens"] - before["index_cached_tokens"]
+        hit = hits2 - hits
+        if turn:
+            # The engine hit the earlier turns' prompts *and* replies, and Narwhal knew.
+            assert hit > carried, (hit, carried)
+            assert abs(expected - hit) < 0.1 * hit, (expected, hit)
+        carried = prompt + 0.5 * len(reply) / 4
+        assert len(reply) > 350
+        messages += [{"role": "assistant", "content": reply},
+                     {"role": "user", "content": f"And then? ({turn})"}]

@@ -184,17 +184,107 @@ def test_prefix_index_charges_only_uncached_prefill_and_steers_placement():
     assert a.index_tokens == 1500 and 700 < a.index_cached_tokens < 750
 
 
+def test_a_completed_reply_joins_the_index_where_it_was_generated():
+    # Engines cache a reply's blocks too (vLLM v1 hashes output tokens): the next turn of
+    # the conversation, which carries the reply, is charged only for what follows it.
+    r = router(engines=[{"name": "a", "url": "http://127.0.0.1:1", "prefill_tps": 2000},
+                        {"name": "b", "url": "http://127.0.0.1:2", "prefill_tps": 2000}])
+    a, b = r.engines
+    system = {"role": "system", "content": "You are a careful assistant. " * 20}
+    user = {"role": "user", "content": "Tell me about narwhals. " * 10}
+    reply = "Narwhals are arctic whales with a long tusk. " * 40  # 1.8 kB: 28 blocks
+    first = ticket(1000)
+    r.scheduler.annotate(first, True, {"messages": [system, user]}, 64)
+    assert r.scheduler.admit(first, 100.0).engine is a
+    r.scheduler.first_token(first, 100.4)
+    r.scheduler.release(first, 400, 101.0, reply)
+    follow = {"messages": [system, user, {"role": "assistant", "content": reply},
+                           {"role": "user", "content": "And their tusks?"}]}
+    second = ticket(1000)
+    r.scheduler.annotate(second, True, follow, 64)
+    # All of it but the block the new question falls in.
+    assert a.prefix.match(second.blocks) >= len(second.blocks) - 1
+    assert b.prefix.match(second.blocks) == 0
+    assert project(a, second).cached > 0.9 and project(b, second).cached == 0
+    # Not completed (cancelled, failed, refused by the engine): no reply is added.
+    third, other = ticket(1000), ticket(1000)
+    r.scheduler.annotate(third, True, {"messages": [system, {"role": "user", "content": "x"}]}, 64)
+    assert r.scheduler.admit(third, 100.0).engine is a
+    r.scheduler.release(third, None, 0.0, None)
+    r.scheduler.annotate(other, True, {"messages": [system, {"role": "user", "content": "x"},
+                                                    {"role": "assistant", "content": reply}]}, 64)
+    assert a.prefix.match(other.blocks) < len(other.blocks) // 2
+
+
+def test_a_completions_reply_continues_its_prompt_and_token_blocks_continue_too(tmp_path):
+    from narwhal.core.prefix import prompt_blocks, reply_blocks
+
+    prompt = "Once upon a time " * 20
+    out = " there lived a narwhal" * 30
+    blocks, _, _, chain = prompt_blocks({"prompt": prompt})
+    assert chain is not None and not chain.chat
+    extended = blocks + reply_blocks(chain, out)
+    assert prompt_blocks({"prompt": prompt + out + " more"})[0][:len(extended)] == extended
+    # A chat reply is the assistant turn as the canonical prompt renders it.
+    messages = [{"role": "user", "content": prompt}]
+    blocks, _, _, chain = prompt_blocks({"messages": messages})
+    assert chain is not None and chain.chat
+    follow = prompt_blocks({"messages": [*messages, {"role": "assistant", "content": out},
+                                         {"role": "user", "content": "go on"}]})[0]
+    extended = blocks + reply_blocks(chain, out)
+    assert follow[:len(extended)] == extended and len(extended) > len(blocks) + 5
+    # In tokens (``sizing.tokenizer``): the same, cut in 16-token blocks.
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([prompt + out + " user assistant more go on"],
+                            trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    blocks, _, size, chain = prompt_blocks({"messages": messages}, tok)
+    assert size == 16 and chain is not None and isinstance(chain.tail, tuple)
+    follow = prompt_blocks({"messages": [*messages, {"role": "assistant", "content": out},
+                                         {"role": "user", "content": "go on"}]}, tok)[0]
+    extended = blocks + reply_blocks(chain, out, tok)
+    assert follow[:len(extended)] == extended and len(extended) > len(blocks) + 5
+
+
+def test_reply_text_takes_the_first_choices_text_and_is_bounded():
+    from narwhal.core.prefix import REPLY_MAX_BYTES, ReplyText
+
+    chat = ReplyText(True)
+    for event in ({"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+                  {"choices": [{"delta": {"content": "Hello"}}]},
+                  {"choices": [{"delta": {"reasoning_content": "hmm"}}]},
+                  {"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]},
+                  {"choices": [{"delta": {"content": None}}]},
+                  {"choices": [{"delta": "not an object"}]},
+                  {"choices": ["not an object"]},
+                  {"choices": []},
+                  {"choices": [{"delta": {"content": " world"}, "finish_reason": "stop"}]},
+                  {"choices": [], "usage": {"completion_tokens": 2}}):
+        chat.event(event)
+    assert chat.text() == "Hello world"
+    text = ReplyText(False)
+    text.event({"choices": [{"text": "a", "index": 0}]})
+    text.event({"choices": [{"text": 7}]})
+    assert text.text() == "a"
+    big = ReplyText(True)
+    for _ in range(3 * REPLY_MAX_BYTES // 1000):
+        big.event({"choices": [{"delta": {"content": "x" * 1000}}]})
+    assert len(big.text()) == REPLY_MAX_BYTES and len(big.parts) <= REPLY_MAX_BYTES // 1000 + 1
+
+
 def test_prefix_index_memory_is_bounded_and_lru():
     from narwhal.core.prefix import PrefixIndex, prompt_blocks
 
     idx = PrefixIndex(100)
-    old, _, _ = prompt_blocks({"prompt": "x" * 64 * 60})
-    new, _, _ = prompt_blocks({"prompt": "y" * 64 * 60})
+    old = prompt_blocks({"prompt": "x" * 64 * 60})[0]
+    new = prompt_blocks({"prompt": "y" * 64 * 60})[0]
     idx.insert(old)
     idx.insert(new)
     assert len(idx.blocks) == 100 and idx.evictions == 20
     assert idx.match(new) == 60 and idx.match(old) == 0  # the oldest blocks went first
-    changed, _, _ = prompt_blocks({"prompt": "y" * 64 * 10 + "z" + "y" * (64 * 50 - 1)})
+    changed = prompt_blocks({"prompt": "y" * 64 * 10 + "z" + "y" * (64 * 50 - 1)})[0]
     assert idx.match(changed) == 10  # chained: one byte ends the match
 
 

@@ -106,3 +106,42 @@ def test_a_narwhal_started_after_the_engine_served_learns_its_cache_by_replay(
         predicted, cached, _ = _ask(late, system, "what is a frog")
     assert cached >= 2 * kv["block_size"]  # the engine did hold the shared prefix
     assert predicted == cached
+
+
+def test_a_reply_is_cached_and_the_next_turn_that_carries_it_finds_it(kv_pair):
+    """vLLM caches a sequence's generated blocks as well as its prompt's (the premise of
+    the simulator's reply caching and of the index's): the next turn of a conversation,
+    whose prompt carries the reply, finds the reply's blocks cached, and Narwhal, from
+    the engine's events, predicts exactly that. The reply is one token repeated (a logit
+    bias: random weights), chosen so that its text tokenizes back to the same IDs."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(kv_pair.engine.model_dir / "tokenizer.json"))
+    word = next(t for t in range(300, tok.get_vocab_size())
+                if (text := tok.decode([t] * 4)).strip() and text.isascii()
+                and tok.encode(text, add_special_tokens=False).ids == [t] * 4
+                and tok.encode("\n" + text, add_special_tokens=False).ids[-4:] == [t] * 4)
+    messages = [{"role": "system", "content": f"You repeat {uuid.uuid4()} one word. " * 8},
+                {"role": "user", "content": "say it"}]
+    before = kv_pair.engine_status()["kv_events"]["blocks"]
+    with kv_pair.routed() as c:
+        r = c.post(CHAT, json={"model": SERVED_MODEL, "max_tokens": 64, "messages": messages,
+                               "logit_bias": {str(word): 100}})
+        assert r.status_code == 200, r.text
+        first = r.json()
+        reply = first["choices"][0]["message"]["content"]
+        assert tok.encode(reply, add_special_tokens=False).ids == [word] * 64
+        block = kv_pair.engine_status()["kv_events"]["block_size"]
+        prompt = first["usage"]["prompt_tokens"]
+        # The engine stores the reply's blocks (all but the block of the last token,
+        # which is sampled, never computed): wait for them, then ask the next turn.
+        full = (prompt + 63) // block
+        wait_for(lambda: kv_pair.engine_status()["kv_events"]["blocks"] >= before + full)
+        r = c.post(CHAT, json={"model": SERVED_MODEL, "max_tokens": 2, "messages": [
+            *messages, {"role": "assistant", "content": reply},
+            {"role": "user", "content": "again"}]})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    assert cached >= (prompt + 32) // block * block > prompt  # well into the reply
+    assert int(r.headers["x-narwhal-predicted-cached-tokens"]) == cached

@@ -33,6 +33,7 @@ class Outcome:
     prompt_tokens: int | None = None  # the engine's usage, when it completed with one
     last_token_at: float = 0.0
     token_id_fault: bool = False  # it failed on an event without valid token IDs
+    reply: str | None = None  # its generated text, when it completed (the prefix index)
 
 
 class Control:
@@ -79,7 +80,8 @@ class Control:
                     if out.prompt_tokens is not None and ex.request is not None:
                         router.sizer.learn(ex.request.prompt_bytes, out.prompt_tokens)
         if ex.ticket is not None:
-            router.scheduler.release(ex.ticket, identified, out.last_token_at)
+            router.scheduler.release(ex.ticket, identified, out.last_token_at,
+                                     out.reply if terminal == errors.COMPLETED else None)
             router.pump()
 
     def count(self, ex: Exchange, terminal: str) -> None:

@@ -21,6 +21,7 @@ from .control import Outcome
 from .engines import EngineState
 from .errors import HttpError
 from .meter import EngineErrorEvent, EngineOutputError, Meter
+from .prefix import ReplyText
 from .record import ExchangeRecord
 from .relay import DONE, Relay
 from .request import COMPLETION_PATHS, CompletionRequest, parse_request, upstream_body
@@ -102,7 +103,7 @@ class Exchange:
                  "deadline", "budget_s", "tpot_budget_s", "ticket", "wake_at", "client_headers_sent",
                  "last_token_at", "strip", "engine_seen", "request_id", "candidates",
                  "decided_at", "ended_at", "error_code", "trace_headers", "recorded",
-                 "token_id_fault")
+                 "token_id_fault", "reply")
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -142,6 +143,7 @@ class Exchange:
         self.trace_headers: tuple[tuple[str, str], ...] = ()
         self.recorded = False
         self.token_id_fault = False  # failed on an event without valid token IDs
+        self.reply: ReplyText | None = None  # the generated text, for the prefix index
 
     # -- request ---------------------------------------------------------------
     def request_headers(self, headers: dict[str, str], end_of_stream: bool,
@@ -325,6 +327,8 @@ class Exchange:
             self.relay = Relay(req.return_token_ids or not token_ids, req.include_usage)
         else:
             self.assembler = Assembler(req.chat, req.return_token_ids)
+        if self.router.config.scheduler.prefix_index_blocks:
+            self.reply = ReplyText(req.chat)
 
     def handed_off(self) -> None:
         """A worker process drives the response from now on (``serving.workers``): its
@@ -421,7 +425,7 @@ class Exchange:
         return events
 
     def _stream(self, chunk: bytes, end_of_stream: bool) -> list[Action]:
-        meter, relay = self.meter, self.relay
+        meter, relay, reply = self.meter, self.relay, self.reply
         assert meter is not None and relay is not None
         out: list[bytes] = []
         tokens = 0
@@ -433,6 +437,8 @@ class Exchange:
                     continue
                 event = _decode(raw)
                 tokens += meter.observe(event, raw)
+                if reply is not None:
+                    reply.event(event)
                 data = relay.event(event, raw)
                 if data is not None:
                     out.append(data)
@@ -467,7 +473,7 @@ class Exchange:
         return [Body(True, b"".join(out), True)]
 
     def _assemble(self, chunk: bytes, end_of_stream: bool) -> list[Action]:
-        meter, assembler = self.meter, self.assembler
+        meter, assembler, reply = self.meter, self.assembler, self.reply
         assert meter is not None and assembler is not None and self.request is not None
         self.response_bytes += len(chunk)
         limit = self.router.config.serving.max_response_bytes
@@ -480,6 +486,8 @@ class Exchange:
                     continue
                 event = _decode(raw)
                 tokens += meter.observe(event, raw)
+                if reply is not None:
+                    reply.event(event)
                 assembler.feed(event)
         except EngineErrorEvent as exc:
             if meter.first_token_seen or tokens:
@@ -587,8 +595,11 @@ class Exchange:
         if meter is not None:
             usage = meter.usage
             prompt = usage.get("prompt_tokens") if usage is not None else None
+            reply = self.reply
             out = Outcome(meter.output_tokens, prompt if type(prompt) is int else None,
-                          self.last_token_at, self.token_id_fault)
+                          self.last_token_at, self.token_id_fault,
+                          reply.text() if reply is not None and terminal == errors.COMPLETED
+                          else None)
         self._ended(terminal, out)
 
     def _ended(self, terminal: str, out: Outcome) -> None:

@@ -9,15 +9,35 @@ with chained hashes (block i's hash covers blocks 0..i, so one difference ends t
 and each engine keeps the hashes
 it was sent in an LRU with a fixed bound (an unbounded prefix index is a known cause
 of router OOMs). An engine that restarts loses its cache; so does its index.
+
+Replies too: an engine hashes and caches every full block of a sequence, the generated
+ones included (vLLM v1), so the next turn of a conversation, whose prompt carries the
+reply, finds the reply cached where it was generated. A request that completes adds its
+reply to the chain its prompt began (``Chain``, ``ReplyText``, ``reply_blocks``): the
+blocks a follow-up's canonical prompt will have, in the same unit and chain.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 BLOCK_BYTES = 64  # ~16 tokens at 4 bytes a token: vLLM's block size
 BLOCK_TOKENS = 16  # with a tokenizer: vLLM's block size itself
+# The most of a reply kept to extend its prompt's chain (~16k tokens); what a longer
+# reply adds past it is not indexed. Bounds the per-request memory and hashing.
+REPLY_MAX_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """Where a prompt's block chain stops: the last full block's hash (or the chain's
+    seed), the partial block after it, and whether a reply is rendered as a chat turn."""
+
+    last: int
+    tail: bytes | tuple[int, ...]
+    chat: bool
 
 
 def canonical_prompt(body: dict[str, Any]) -> str | None:
@@ -41,28 +61,84 @@ def canonical_prompt(body: dict[str, Any]) -> str | None:
     return prompt if isinstance(prompt, str) else None
 
 
-def prompt_blocks(body: dict[str, Any], tokenizer: Any = None) -> tuple[list[int], int, int]:
+def prompt_blocks(body: dict[str, Any], tokenizer: Any = None
+                  ) -> tuple[list[int], int, int, Chain | None]:
     """Chained hashes of the canonical prompt's full blocks, the prompt's length and the
     block size in the same unit: bytes (64 a block), or, with a tokenizer (``sizing.
-    tokenizer``), tokens (16 a block, as the engine cuts them)."""
+    tokenizer``), tokens (16 a block, as the engine cuts them); and where the chain
+    stops, for the reply to continue it."""
     text = canonical_prompt(body)
     if text is None:
-        return [], 0, BLOCK_BYTES
-    out: list[int] = []
+        return [], 0, BLOCK_BYTES, None
     # vLLM keys a salted prompt's blocks by its salt too: they match only the same salt.
     salt = body.get("cache_salt")
-    h = 0 if salt is None else hash(("cache_salt", str(salt)))
+    seed = 0 if salt is None else hash(("cache_salt", str(salt)))
+    chat = isinstance(body.get("messages"), list)
     if tokenizer is not None:
         ids = tokenizer.encode(text, add_special_tokens=False).ids
-        for start in range(0, len(ids) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
-            h = hash((h, tuple(ids[start:start + BLOCK_TOKENS])))
-            out.append(h)
-        return out, len(ids), BLOCK_TOKENS
+        out, last = _chain(seed, ids, BLOCK_TOKENS)
+        return out, len(ids), BLOCK_TOKENS, Chain(last, tuple(ids[len(out) * BLOCK_TOKENS:]), chat)
     data = text.encode()
-    for start in range(0, len(data) - BLOCK_BYTES + 1, BLOCK_BYTES):
-        h = hash((h, data[start:start + BLOCK_BYTES]))
-        out.append(h)
-    return out, len(data), BLOCK_BYTES
+    out, last = _chain(seed, data, BLOCK_BYTES)
+    return out, len(data), BLOCK_BYTES, Chain(last, data[len(out) * BLOCK_BYTES:], chat)
+
+
+def _chain(h: int, units: Any, size: int) -> tuple[list[int], int]:
+    """Chained hashes of the full blocks of ``units`` (bytes, or token IDs), from ``h``."""
+    out: list[int] = []
+    if isinstance(units, bytes):
+        for start in range(0, len(units) - size + 1, size):
+            h = hash((h, units[start:start + size]))
+            out.append(h)
+    else:
+        for start in range(0, len(units) - size + 1, size):
+            h = hash((h, tuple(units[start:start + size])))
+            out.append(h)
+    return out, h
+
+
+def reply_blocks(chain: Chain, reply: str, tokenizer: Any = None) -> list[int]:
+    """The blocks a reply adds to its prompt's chain, as a follow-up turn renders it
+    (canonically: the assistant message after the prompt's; a completion's text right
+    after its prompt)."""
+    text = f"assistant\n{reply}\n" if chain.chat else reply
+    if isinstance(chain.tail, tuple):
+        if tokenizer is None:
+            return []
+        ids = chain.tail + tuple(tokenizer.encode(text, add_special_tokens=False).ids)
+        return _chain(chain.last, ids, BLOCK_TOKENS)[0]
+    return _chain(chain.last, chain.tail + text.encode(), BLOCK_BYTES)[0]
+
+
+class ReplyText:
+    """A response's generated text (the first choice's), as its events pass: what the
+    prefix index adds when the request completes. Bounded by ``REPLY_MAX_BYTES``."""
+
+    __slots__ = ("chat", "parts", "size")
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.parts: list[str] = []
+        self.size = 0
+
+    def event(self, event: dict[str, Any]) -> None:
+        choices = event.get("choices")
+        if not choices or self.size >= REPLY_MAX_BYTES:
+            return
+        choice = choices[0]
+        if choice.__class__ is not dict:
+            return
+        if self.chat:
+            delta = choice.get("delta")
+            piece = delta.get("content") if delta.__class__ is dict else None
+        else:
+            piece = choice.get("text")
+        if piece.__class__ is str and piece:
+            self.parts.append(piece)
+            self.size += len(piece)
+
+    def text(self) -> str:
+        return "".join(self.parts)[:REPLY_MAX_BYTES]
 
 
 class PrefixIndex:

@@ -22,7 +22,7 @@ from .learning import Learning
 from .outputs import Key, OutputLengths, system_hash
 from .placement import FILTERS, Candidate, Pipeline, extrapolated, project
 from .pool import Pool
-from .prefix import prompt_blocks
+from .prefix import Chain, prompt_blocks, reply_blocks
 from .steps import Prefill
 
 
@@ -58,6 +58,7 @@ class Ticket:
     predicted_cached: int = 0  # prompt tokens expected cached on the engine it got
     prompt_units: int = 0  # the prompt's length in the index's unit (bytes or tokens)
     block_units: int = 64  # and one block's
+    chain: Chain | None = None  # where the prompt's chain stops: its reply continues it
     # Ranked engines Envoy may retry on if ``engine`` does not answer (endpoint picker).
     fallbacks: tuple[EngineState, ...] = ()
     failover: bool = False  # served by a fallback: its TTFT is no sample of either engine
@@ -112,7 +113,7 @@ class Scheduler:
         t.output_keys = OutputLengths.keys(chat, system_hash(body), max_tokens, t.tokens)
         t.predicted_output = self.learning.outputs.predict(t.output_keys, max_tokens)
         if self.config.scheduler.prefix_index_blocks:
-            t.blocks, t.prompt_units, t.block_units = prompt_blocks(body, self.tokenizer)
+            t.blocks, t.prompt_units, t.block_units, t.chain = prompt_blocks(body, self.tokenizer)
         # A salted prompt's blocks are reported with their salt, which the exact match
         # does not model: its prefix is the index's (salted there) or the hit rate's.
         if self.prompt_ids is not None and body.get("cache_salt") is None:
@@ -302,9 +303,9 @@ class Scheduler:
         self.learning.first_token(t, now)
 
     def release(self, t: Ticket, output_tokens: int | None = None,
-                last_token_at: float = 0.0) -> None:
+                last_token_at: float = 0.0, reply: str | None = None) -> None:
         """The request ended; ``output_tokens`` when it completed with identified output,
-        and when its last token came."""
+        and when its last token came; ``reply``, its generated text, when it completed."""
         if t.done:
             return
         t.done = True
@@ -320,6 +321,12 @@ class Scheduler:
         e.decode_backlog = max(0, e.decode_backlog - t.predicted_output)
         if output_tokens is not None:
             self.learning.completed(t, output_tokens, last_token_at)
+        if reply is not None and t.chain is not None and e.prefix.capacity:
+            # The engine caches the reply where it generated it: the conversation's next
+            # turn carries it. Tail first, so that the tail is evicted before the prefix
+            # (as the engine evicts, and a chain missing its prefix matches nothing).
+            blocks = t.blocks + reply_blocks(t.chain, reply, self.tokenizer)
+            e.prefix.insert(blocks[::-1])
         if e.retired and e.in_flight == 0:
             self.pool.sweep()
 

@@ -242,7 +242,7 @@ class WorkerPort:
         elif kind == W_FIRST:
             control.first_token(ex, f[2])
         elif kind == W_RELEASE:
-            ex.ended_elsewhere(f[2], Outcome(f[3], f[4], f[5], f[6]))
+            ex.ended_elsewhere(f[2], Outcome(f[3], f[4], f[5], f[6], f[7]))
             self.released.add(f[1])
         elif kind in (W_COUNT, W_CLOSED):  # the worker is done with it
             self.released.discard(f[1])
@@ -399,7 +399,7 @@ class RemoteControl(Control):
         if ex.ticket is not None:
             ex.ticket.done = True
         self.link.send((W_RELEASE, self.sids[ex], terminal, out.output_tokens,
-                        out.prompt_tokens, out.last_token_at, out.token_id_fault))
+                        out.prompt_tokens, out.last_token_at, out.token_id_fault, out.reply))
 
     def count(self, ex: Exchange, terminal: str) -> None:
         self.link.send((W_COUNT, self.sids[ex], terminal))
