@@ -123,19 +123,20 @@ def test_a_reply_is_cached_and_the_next_turn_that_carries_it_finds_it(kv_pair):
                 and tok.encode("\n" + text, add_special_tokens=False).ids[-4:] == [t] * 4)
     messages = [{"role": "system", "content": f"You repeat {uuid.uuid4()} one word. " * 8},
                 {"role": "user", "content": "say it"}]
-    before = kv_pair.engine_status()["kv_events"]["blocks"]
+    kv = kv_pair.engine_status()["kv_events"]
+    before, block = kv["blocks"], kv["block_size"]
+    n = 2 * block  # the reply fills at least one whole block of its own
     with kv_pair.routed() as c:
-        r = c.post(CHAT, json={"model": SERVED_MODEL, "max_tokens": 64, "messages": messages,
+        r = c.post(CHAT, json={"model": SERVED_MODEL, "max_tokens": n, "messages": messages,
                                "logit_bias": {str(word): 100}})
         assert r.status_code == 200, r.text
         first = r.json()
         reply = first["choices"][0]["message"]["content"]
-        assert tok.encode(reply, add_special_tokens=False).ids == [word] * 64
-        block = kv_pair.engine_status()["kv_events"]["block_size"]
+        assert tok.encode(reply, add_special_tokens=False).ids == [word] * n
         prompt = first["usage"]["prompt_tokens"]
         # The engine stores the reply's blocks (all but the block of the last token,
         # which is sampled, never computed): wait for them, then ask the next turn.
-        full = (prompt + 63) // block
+        full = (prompt + n - 1) // block
         wait_for(lambda: kv_pair.engine_status()["kv_events"]["blocks"] >= before + full)
         r = c.post(CHAT, json={"model": SERVED_MODEL, "max_tokens": 2, "messages": [
             *messages, {"role": "assistant", "content": reply},
@@ -143,5 +144,5 @@ def test_a_reply_is_cached_and_the_next_turn_that_carries_it_finds_it(kv_pair):
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    assert cached >= (prompt + 32) // block * block > prompt  # well into the reply
+    assert cached == full * block > (prompt // block + 1) * block  # whole reply blocks
     assert int(r.headers["x-narwhal-predicted-cached-tokens"]) == cached
