@@ -143,12 +143,15 @@ class Result:
     engine: str = ""
     end: float | None = None
     refusal: str = ""  # a refused request's error code and message
+    prompt_tokens: int | None = None  # the engine's usage
+    cached: int | None = None  # the prompt tokens the engine found cached (its usage)
+    predicted_cached: int | None = None  # x-narwhal-predicted-cached-tokens
 
 
 async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: int) -> Result:
     messages = work.next()
     body = {"model": MODEL, "stream": True, "max_tokens": MAX_TOKENS, "seed": seed,
-            "messages": messages}
+            "messages": messages, "stream_options": {"include_usage": True}}
     start = time.monotonic()
     result = Result(0, start)
     try:
@@ -160,6 +163,8 @@ async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: in
             tokens = resp.headers.get("x-narwhal-predicted-output-tokens")
             result.predicted_tokens = int(tokens) if tokens else None
             result.engine = resp.headers.get("x-sim-engine", "")
+            cached = resp.headers.get("x-narwhal-predicted-cached-tokens")
+            result.predicted_cached = int(cached) if cached else None
             if resp.status != 200:
                 body = await resp.read()
                 try:
@@ -174,6 +179,10 @@ async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: in
                 if not line.startswith(b"data: {"):
                     continue
                 event = orjson.loads(line[6:])
+                usage = event.get("usage")
+                if usage:
+                    result.prompt_tokens = usage.get("prompt_tokens")
+                    result.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                 for choice in event.get("choices") or ():
                     piece = (choice.get("delta") or {}).get("content")
                     if piece:
@@ -340,7 +349,7 @@ def calibrate(args: argparse.Namespace, mix: Mix) -> float:
 def sims(scale: float) -> list[SimSpec]:
     return [SimSpec(name, args=["--profile", profile, "--time-scale", str(scale),
                                 "--natural-output", str(NATURAL_OUTPUT), "--engine-name", name,
-                                "--max-model-len", "16384"])
+                                "--max-model-len", "16384", "--enable-prompt-tokens-details"])
             for name, profile in ENGINES]
 
 

@@ -145,3 +145,36 @@ def test_a_held_engine_accepts_requests_and_runs_no_step_until_released(sim):
         assert httpx.post(f"{sim}/sim/hold", json={"hold": False}).json() == {"hold": False}
         resp = fut.result()
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
+
+
+def test_usage_reports_the_prompts_cache_hit_with_vllms_flag():
+    """``--enable-prompt-tokens-details``: usage carries ``prompt_tokens_details`` as vLLM
+    0.32 writes it, streaming or not; the second of two requests sharing a long prefix
+    reports the prefix's full blocks cached. Without the flag the field is null."""
+    stack = Stack(sims=[SimSpec("sim-details", args=["--enable-prompt-tokens-details"])],
+                  model=MODEL).start_sims()
+    try:
+        url = f"http://127.0.0.1:{stack.sims[0].port}/v1/chat/completions"
+        system = {"role": "system", "content": "You are a narwhal. " * 40}  # ~190 tokens
+        details = []
+        for question, stream in (("first?", False), ("second?", True), ("third?", False)):
+            body = {"model": MODEL, "max_tokens": 2, "stream": stream,
+                    "messages": [system, {"role": "user", "content": question}]}
+            if stream:
+                body["stream_options"] = {"include_usage": True}
+            resp = httpx.post(url, json=body)
+            assert resp.status_code == 200
+            usage = sse(resp)[-1]["usage"] if stream else resp.json()["usage"]
+            details.append((usage["prompt_tokens"], usage["prompt_tokens_details"]))
+        (prompt, first), (_, second), (_, third) = details
+        assert first == {"cached_tokens": 0, "created_cache_tokens": prompt // 16 * 16,
+                         "multimodal_tokens": None}
+        assert second["cached_tokens"] == third["cached_tokens"] >= 160
+        assert second["cached_tokens"] % 16 == 0
+    finally:
+        stack.stop()
+
+
+def test_without_vllms_flag_usage_has_no_prompt_details(sim):
+    resp = httpx.post(f"{sim}/v1/chat/completions", json=BODY)
+    assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens_details"] is None

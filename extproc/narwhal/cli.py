@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="KV-cache blocks of 16 tokens (65536)")
     p_sim.add_argument("--no-enable-prefix-caching", action="store_true",
                        help="turn automatic prefix caching off (vLLM's flag)")
+    p_sim.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage reports the prompt's prefix-cache hit (vLLM's flag)")
     p_sim.add_argument("--natural-output", type=int, default=0,
                        help="median natural output length (the model stops by itself; "
                             "0: every request runs to max_tokens)")
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                     SimOptions(model=args.model, dialect=args.dialect, reasoning=args.reasoning,
                                max_model_len=args.max_model_len,
                                natural_output=args.natural_output,
-                               engine_name=args.engine_name, fault=args.fault),
+                               engine_name=args.engine_name, fault=args.fault,
+                               prompt_tokens_details=args.enable_prompt_tokens_details),
                     _batch_scheduler(args), args.slow_start_ms, args.time_scale)
         elif args.command == "envoy-config":
             from .launch import ENVOY_CONFIG

@@ -90,6 +90,9 @@ class SimOptions:
     engine_name: str = ""
     # A fault for every request without an x-sim-fault header (a broken engine).
     fault: str | None = None
+    # vLLM's --enable-prompt-tokens-details: usage says how much of the prompt was a
+    # prefix-cache hit (``prompt_tokens_details.cached_tokens``).
+    prompt_tokens_details: bool = False
 
 
 @dataclass(slots=True)
@@ -134,6 +137,8 @@ class Plan:
     reasoning: str
     stream_error: SimRequestError | None = None  # found after the stream opened
     natural_median: float = 0.0  # see SimOptions.natural_output
+    prompt_tokens_details: bool = False  # see SimOptions.prompt_tokens_details
+    cached_tokens: int = 0  # the prefix-cache hit, once the engine scheduled the prompt
     choices: list[list[Tok]] = field(default_factory=list)
     finish: list[str] = field(default_factory=list)
     stop_reasons: list[str | None] = field(default_factory=list)
@@ -393,6 +398,7 @@ def make_plan(body: dict[str, Any], opts: SimOptions, fault: str | None,
         model=opts.model,
         dialect=opts.dialect,
         reasoning=opts.reasoning if chat else "none",
+        prompt_tokens_details=opts.dialect == "vllm" and opts.prompt_tokens_details,
     )
     if opts.natural_output:
         first = (body.get("messages") or [{}])[0]
@@ -567,6 +573,13 @@ def _usage(plan: Plan) -> dict[str, Any]:
     if plan.reasoning != "none":
         usage["completion_tokens_details"] = {"reasoning_tokens": sum(
             1 for c in plan.choices for t in c if t.kind == "reasoning")}
+    if plan.prompt_tokens_details:
+        # vLLM: the hit, and the prompt's full blocks it computed and cached besides.
+        full = plan.prompt_tokens // 16 * 16
+        usage["prompt_tokens_details"] = {
+            "cached_tokens": plan.cached_tokens,
+            "created_cache_tokens": max(0, full - plan.cached_tokens),
+            "multimodal_tokens": None}
     return usage
 
 

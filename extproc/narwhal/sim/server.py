@@ -253,6 +253,7 @@ class Engine:
         seq = self._admit(plan)
         try:
             await self._until(seq, seq.max_out)
+            plan.cached_tokens = seq.cached_tokens
         finally:
             self._retire(seq)
         if plan.fault == "slow-start":
@@ -279,6 +280,7 @@ class Engine:
                             await resp.write(b"".join(pending))
                             pending.clear()
                         await self._until(seq, produced)
+                    plan.cached_tokens = seq.cached_tokens  # the usage event comes last
                     if kind == "first" and plan.fault == "slow-start":
                         await asyncio.sleep(self.slow_start_ms / 1000)
                 if kind == "stall":
