@@ -112,28 +112,32 @@ def reply_blocks(chain: Chain, reply: str, tokenizer: Any = None) -> list[int]:
 
 class ReplyText:
     """A response's generated text (the first choice's), as its events pass: what the
-    prefix index adds when the request completes. Bounded by ``REPLY_MAX_BYTES``."""
+    prefix index adds when the request completes. Bounded by ``REPLY_MAX_BYTES``.
+    ``event`` runs for every token event: direct lookups, a malformed event skipped."""
 
-    __slots__ = ("chat", "parts", "size")
+    __slots__ = ("parts", "size", "event")
 
     def __init__(self, chat: bool) -> None:
-        self.chat = chat
         self.parts: list[str] = []
         self.size = 0
+        self.event = self._delta if chat else self._text
 
-    def event(self, event: dict[str, Any]) -> None:
-        choices = event.get("choices")
-        if not choices or self.size >= REPLY_MAX_BYTES:
+    def _delta(self, event: dict[str, Any]) -> None:
+        try:
+            piece = event["choices"][0]["delta"]["content"]
+        except (KeyError, IndexError, TypeError):
             return
-        choice = choices[0]
-        if choice.__class__ is not dict:
+        self._add(piece)
+
+    def _text(self, event: dict[str, Any]) -> None:
+        try:
+            piece = event["choices"][0]["text"]
+        except (KeyError, IndexError, TypeError):
             return
-        if self.chat:
-            delta = choice.get("delta")
-            piece = delta.get("content") if delta.__class__ is dict else None
-        else:
-            piece = choice.get("text")
-        if piece.__class__ is str and piece:
+        self._add(piece)
+
+    def _add(self, piece: Any) -> None:
+        if piece.__class__ is str and piece and self.size < REPLY_MAX_BYTES:
             self.parts.append(piece)
             self.size += len(piece)
 
