@@ -190,6 +190,21 @@ def test_the_prompts_followed_are_bounded():
     assert model.after[0] == pytest.approx(10 * MAX_QUEUE)
 
 
+def test_answered_prompts_leave_the_queue_even_when_no_step_starts():
+    """An engine whose tokens never pause (a gap never opens) starts no step, which is
+    where the queue's dead head is swept: a first token takes the prompts it answers off
+    the queue itself, so the next one does not walk them again."""
+    model = StepModel()
+    for i in range(1000):
+        p = model.dispatched(10, float(i), 0)
+        model.first_token(p, i + 0.5)
+        assert len(model.queue) == 0
+    a, b = model.dispatched(10, 2000.0, 0), model.dispatched(10, 2000.1, 0)
+    model.dropped(a)  # cancelled: stays until swept or answered past
+    model.first_token(b, 2001.0)
+    assert len(model.queue) == 0 and model.judged == 1001
+
+
 def test_a_judged_step_model_floors_the_projection():
     """The staircase errs short only (it misses what arrives later), the fit's line can
     err short far past the backlogs it learned from: once the step model has been judged

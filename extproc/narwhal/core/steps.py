@@ -223,7 +223,12 @@ class StepModel:
             errs = self.errors
             for i, projected in enumerate(p.projected):
                 errs[i] += ERROR_EWMA * (abs(projected - measured) / measured - errs[i])
-        for q in self.queue:
+        # Off the queue as they are answered (a step's start also sweeps the dead from
+        # its head, but an engine whose tokens never pause starts no step: left there,
+        # answered prompts made every first token walk thousands of them).
+        queue = self.queue
+        while queue:
+            q = queue.popleft()
             self.dropped(q)
             if q is p:
                 break
