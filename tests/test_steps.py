@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from narwhal.core.perf import FLOOR_AFTER, PerfModel
-from narwhal.core.steps import BUDGETS, MAX_QUEUE, MIN_STEPS, StepModel
+from narwhal.core.steps import BUDGETS, MAX_QUEUE, MIN_STEPS, NEAR, StepModel
 
 
 @dataclass
@@ -203,6 +203,24 @@ def test_answered_prompts_leave_the_queue_even_when_no_step_starts():
     model.dropped(a)  # cancelled: stays until swept or answered past
     model.first_token(b, 2001.0)
     assert len(model.queue) == 0 and model.judged == 1001
+
+
+def test_near_ties_go_to_the_smaller_budget():
+    """Budgets whose errors are within NEAR of the least count as as good, and the
+    smallest of them projects: a budget too large projects a long backlog short (late
+    requests), one too small projects it long (refusals). A clearly better budget wins."""
+    model = StepModel()
+    now = warm(model, MIN_STEPS)
+    model.judged = 100
+    model.errors = [0.65, 0.1155, 0.1118, 0.1118, 0.1118]  # the flip seen in a 1.5x run
+    assert model.budget == 2048
+    long_ahead = [model.project(8000, 200, now, i) for i in range(len(BUDGETS))]
+    assert model.project(8000, 200, now) == long_ahead[1] > long_ahead[2]
+    assert 0.11 * (1 + NEAR) < 0.20
+    model.errors = [0.65, 0.20, 0.11, 0.11, 0.11]  # 4096 clearly better
+    assert model.budget == 4096
+    model.errors = [0.05, 0.054, 0.2, 0.2, 0.2]
+    assert model.budget == 1024
 
 
 def test_a_judged_step_model_floors_the_projection():
