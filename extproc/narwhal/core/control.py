@@ -80,8 +80,7 @@ class Control:
                     if out.prompt_tokens is not None and ex.request is not None:
                         router.sizer.learn(ex.request.prompt_bytes, out.prompt_tokens)
         if ex.ticket is not None:
-            router.scheduler.release(ex.ticket, identified, out.last_token_at,
-                                     out.reply if terminal == errors.COMPLETED else None)
+            router.scheduler.release(ex.ticket, identified, out.last_token_at, out.reply)
             router.pump()
 
     def count(self, ex: Exchange, terminal: str) -> None:

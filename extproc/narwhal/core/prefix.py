@@ -75,25 +75,20 @@ def prompt_blocks(body: dict[str, Any], tokenizer: Any = None
     seed = 0 if salt is None else hash(("cache_salt", str(salt)))
     chat = isinstance(body.get("messages"), list)
     if tokenizer is not None:
-        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False).ids)
         out, last = _chain(seed, ids, BLOCK_TOKENS)
-        return out, len(ids), BLOCK_TOKENS, Chain(last, tuple(ids[len(out) * BLOCK_TOKENS:]), chat)
+        return out, len(ids), BLOCK_TOKENS, Chain(last, ids[len(out) * BLOCK_TOKENS:], chat)
     data = text.encode()
     out, last = _chain(seed, data, BLOCK_BYTES)
     return out, len(data), BLOCK_BYTES, Chain(last, data[len(out) * BLOCK_BYTES:], chat)
 
 
-def _chain(h: int, units: Any, size: int) -> tuple[list[int], int]:
+def _chain(h: int, units: bytes | tuple[int, ...], size: int) -> tuple[list[int], int]:
     """Chained hashes of the full blocks of ``units`` (bytes, or token IDs), from ``h``."""
     out: list[int] = []
-    if isinstance(units, bytes):
-        for start in range(0, len(units) - size + 1, size):
-            h = hash((h, units[start:start + size]))
-            out.append(h)
-    else:
-        for start in range(0, len(units) - size + 1, size):
-            h = hash((h, tuple(units[start:start + size])))
-            out.append(h)
+    for start in range(0, len(units) - size + 1, size):
+        h = hash((h, units[start:start + size]))
+        out.append(h)
     return out, h
 
 

@@ -132,10 +132,7 @@ class StepModel:
             return DEFAULT
         errs = self.errors
         bound = min(errs) * (1 + NEAR)
-        for i, err in enumerate(errs):
-            if err <= bound:
-                return i
-        return DEFAULT  # unreachable: the least is within its own bound
+        return next(i for i, err in enumerate(errs) if err <= bound)
 
     def summary(self) -> dict[str, object]:
         """For /status: the budget projected with, its step-length fit, and each budget's

@@ -30,6 +30,8 @@ from typing import Any
 
 import orjson
 
+from .batching import BLOCK_SIZE
+
 VOCAB = tuple(
     "the quick brown fox jumps over lazy dog narwhal tusk ocean arctic ice whale pod "
     "swim deep cold water light wave router engine token prefill decode budget queue "
@@ -575,7 +577,7 @@ def _usage(plan: Plan) -> dict[str, Any]:
             1 for c in plan.choices for t in c if t.kind == "reasoning")}
     if plan.prompt_tokens_details:
         # vLLM: the hit, and the prompt's full blocks it computed and cached besides.
-        full = plan.prompt_tokens // 16 * 16
+        full = plan.prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
         usage["prompt_tokens_details"] = {
             "cached_tokens": plan.cached_tokens,
             "created_cache_tokens": max(0, full - plan.cached_tokens),
