@@ -393,6 +393,53 @@ def test_a_request_waits_for_the_engine_that_keeps_its_budget_rather_than_break_
     assert s.pump(clock.t) == [t2] and t2.engine is fast
 
 
+def test_a_waiting_request_holds_back_no_later_one_that_another_engine_serves_in_budget():
+    # t2 waits for fast's one slot (slow would take 1.5 s of its 1 s budget); t3, small,
+    # fits slow's budget: it is placed there at once instead of queueing behind t2 (the
+    # head-of-line blocking that left slower engines idle under a queue). t2 keeps its
+    # claim on fast: the slot fast frees next is t2's, not a later request's.
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1})
+    s = router.scheduler
+    fast, slow = router.engines
+    t1 = ticket(router, 100, budget_s=1.0)
+    assert s.admit(t1, clock.t).engine is fast
+    t2 = ticket(router, 1500, budget_s=1.0)
+    assert isinstance(s.admit(t2, clock.t), Queued)
+    t3 = ticket(router, 100, budget_s=1.0)
+    assert isinstance(s.admit(t3, clock.t), Queued)  # a queue exists: it joins it ...
+    assert s.pump(clock.t) == [t3] and t3.engine is slow  # ... and goes past t2 to slow
+    assert list(s.queue) == [t2] and t2.engine is None
+    t4 = ticket(router, 100, budget_s=1.0)  # slow's slot is t3's now; fast is t2's
+    assert isinstance(s.admit(t4, clock.t), Queued) and s.pump(clock.t) == []
+    s.first_token(t1, clock.t + 0.05)
+    clock.t += 0.05
+    assert s.pump(clock.t) == [t2] and t2.engine is fast and list(s.queue) == [t4]
+
+
+def test_a_later_request_does_not_take_an_engine_an_earlier_waiting_one_could_use():
+    # t2 may go to either engine in its budget, but placing it would take each past the
+    # backlog its measurements have verified (verified-backlog: it waits for the backlog
+    # to drain). t3 is small enough to fit within slow's verified backlog; were it placed
+    # there, the backlog t2 waits on would grow: it waits behind t2 instead.
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 4})
+    s = router.scheduler
+    fast, slow = router.engines
+    for e in (fast, slow):
+        e.verified_work = 1000.0
+    t1 = ticket(router, 900, budget_s=60.0)
+    assert s.admit(t1, clock.t).engine is fast
+    t0 = ticket(router, 900, budget_s=60.0)
+    assert s.admit(t0, clock.t).engine is slow  # both engines now hold 900 of 1,500
+    t2 = ticket(router, 1000, budget_s=60.0)
+    assert isinstance(s.admit(t2, clock.t), Queued)
+    t3 = ticket(router, 100, budget_s=60.0)
+    assert isinstance(s.admit(t3, clock.t), Queued)
+    assert s.pump(clock.t) == [] and list(s.queue) == [t2, t3]
+    s.first_token(t0, clock.t + 0.5)  # slow's backlog drains: t2 first, then t3
+    clock.t += 0.5
+    assert s.pump(clock.t) == [t2, t3] and t2.engine is slow
+
+
 def test_a_queued_request_no_engine_can_serve_in_budget_any_more_is_refused_with_the_overrun():
     router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1})
     s = router.scheduler
