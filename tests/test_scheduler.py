@@ -377,10 +377,9 @@ def test_served_by_the_chosen_engine_or_an_unknown_one_moves_nothing():
     assert router.scheduler.served_by(t, "10.9.9.9:80") is None and t.engine is placed
 
 
-def test_a_request_waits_for_the_engine_that_keeps_its_budget_rather_than_break_it():
-    # fast (4000 tok/s) has one prefill slot; slow (1000 tok/s) has room but would take
-    # 1.5 s for 1500 tokens against a 1 s budget: admitted on fast's projection, the
-    # request must wait for fast's slot, not go to slow.
+def waiting_for_fast() -> tuple[Router, Clock, Ticket, Ticket]:
+    """fast (4000 tok/s) has one prefill slot, taken by t1; slow (1000 tok/s) has room
+    but would take 1.5 s for t2's 1500 tokens against its 1 s budget: t2 waits for fast."""
     router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1})
     s = router.scheduler
     fast, slow = router.engines
@@ -388,23 +387,27 @@ def test_a_request_waits_for_the_engine_that_keeps_its_budget_rather_than_break_
     assert s.admit(t1, clock.t).engine is fast
     t2 = ticket(router, 1500, budget_s=1.0)
     assert isinstance(s.admit(t2, clock.t), Queued) and slow.prefill == 0
+    return router, clock, t1, t2
+
+
+def test_a_request_waits_for_the_engine_that_keeps_its_budget_rather_than_break_it():
+    # admitted on fast's projection, t2 must wait for fast's slot, not go to slow
+    router, clock, t1, t2 = waiting_for_fast()
+    s = router.scheduler
+    fast = router.engines[0]
     s.first_token(t1, clock.t + 0.05)
     clock.t += 0.05
     assert s.pump(clock.t) == [t2] and t2.engine is fast
 
 
 def test_a_waiting_request_holds_back_no_later_one_that_another_engine_serves_in_budget():
-    # t2 waits for fast's one slot (slow would take 1.5 s of its 1 s budget); t3, small,
-    # fits slow's budget: it is placed there at once instead of queueing behind t2 (the
-    # head-of-line blocking that left slower engines idle under a queue). t2 keeps its
-    # claim on fast: the slot fast frees next is t2's, not a later request's.
-    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1})
+    # t2 waits for fast's one slot; t3, small, fits slow's budget: it is placed there at
+    # once instead of queueing behind t2 (the head-of-line blocking that left slower
+    # engines idle under a queue). t2 keeps its claim on fast: the slot fast frees next
+    # is t2's, not a later request's.
+    router, clock, t1, t2 = waiting_for_fast()
     s = router.scheduler
     fast, slow = router.engines
-    t1 = ticket(router, 100, budget_s=1.0)
-    assert s.admit(t1, clock.t).engine is fast
-    t2 = ticket(router, 1500, budget_s=1.0)
-    assert isinstance(s.admit(t2, clock.t), Queued)
     t3 = ticket(router, 100, budget_s=1.0)
     assert isinstance(s.admit(t3, clock.t), Queued)  # a queue exists: it joins it ...
     assert s.pump(clock.t) == [t3] and t3.engine is slow  # ... and goes past t2 to slow
