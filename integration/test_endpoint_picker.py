@@ -3,6 +3,7 @@ clearing, the conformance suite's test-picker hooks."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator
 
 import httpx
@@ -10,7 +11,7 @@ import pytest
 
 from narwhal.launch import SimSpec, Stack
 
-from .conftest import MODEL, status
+from .conftest import MODEL, status, wait_for
 
 MSGS = [{"role": "user", "content": "hi"}]
 SUBSET_HEADER = "x-test-subset"
@@ -29,16 +30,22 @@ def add_subset_filter(cfg: dict) -> None:
                 "key": "x-gateway-destination-endpoint-subset", "type": "STRING"}}]}})
 
 
-@pytest.fixture(scope="module")
-def picker() -> Iterator[Stack]:
-    stack = Stack(sims=[SimSpec("pick-a"), SimSpec("pick-b"), SimSpec("pick-c")],
-                  config={"router": {"conformance_hooks": True}}, model=MODEL,
+def hinted_stack(names: list[str], config: dict) -> Iterator[Stack]:
+    """Simulated engines behind an Envoy that copies the subset header into the hint,
+    with the conformance hooks on (the served endpoint in a response header)."""
+    stack = Stack(sims=[SimSpec(n) for n in names],
+                  config={"router": {"conformance_hooks": True}, **config}, model=MODEL,
                   envoy_patch=add_subset_filter)
     stack.start()
     try:
         yield stack
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="module")
+def picker() -> Iterator[Stack]:
+    yield from hinted_stack(["pick-a", "pick-b", "pick-c"], {})
 
 
 def endpoints(stack: Stack) -> dict[str, str]:
@@ -61,6 +68,38 @@ def test_subset_hint_is_honoured(picker, stream):
     served = {post(picker, {SUBSET_HEADER: subset}).headers["x-conformance-test-served-endpoint"]
               for _ in range(8)}
     assert served <= {ep["pick-a"], ep["pick-c"]}
+
+
+@pytest.fixture(scope="module")
+def one_slot_each() -> Iterator[Stack]:
+    yield from hinted_stack(["slot-a", "slot-b"], {"scheduler": {"max_prefill_per_engine": 1}})
+
+
+def test_a_queued_request_holds_back_no_request_another_engine_can_serve(one_slot_each):
+    """No head-of-line blocking, end to end: slot-a's one prefill slot is held (the
+    simulator's gate holds its first token), a second request that only slot-a may serve
+    waits in the queue, and a third that slot-b may serve is answered by slot-b at once
+    instead of queueing behind it (strict FIFO held it until slot-a's gate opened)."""
+    ep = endpoints(one_slot_each)
+    sim_a = f"http://127.0.0.1:{one_slot_each.sims[0].port}"
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    assert httpx.post(f"{sim_a}/sim/hold", json={"hold": True}).status_code == 200
+    try:
+        first = pool.submit(post, one_slot_each, {SUBSET_HEADER: ep["slot-a"]})
+        wait_for(lambda: status(one_slot_each)["engines"][0]["prefill"] == 1)
+        queued = pool.submit(post, one_slot_each, {SUBSET_HEADER: ep["slot-a"]})
+        wait_for(lambda: status(one_slot_each)["requests"]["queued"] == 1)
+        resp = post(one_slot_each, {SUBSET_HEADER: ep["slot-b"]})
+        assert resp.status_code == 200
+        assert resp.headers["x-conformance-test-served-endpoint"] == ep["slot-b"]
+        assert status(one_slot_each)["requests"]["queued"] == 1 and not queued.done()
+    finally:
+        httpx.post(f"{sim_a}/sim/hold", json={"hold": False})
+    for fut in (first, queued):
+        resp = fut.result()
+        assert resp.status_code == 200
+        assert resp.headers["x-conformance-test-served-endpoint"] == ep["slot-a"]
+    pool.shutdown()
 
 
 @pytest.mark.parametrize("subset", ["127.0.0.1:1", "10.0.0.1:8000,10.0.0.2:8000"])
