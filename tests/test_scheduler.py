@@ -532,6 +532,42 @@ def test_a_queue_draining_slowly_is_charged_at_its_measured_rate():
     assert patient.predicted_ttft_s >= 2.0  # the queue's wait, then its own projection
 
 
+def test_a_request_behind_a_queue_goes_at_once_where_no_queued_request_can():
+    # The queue's requests may use only fast (a gateway's subset hint) and drain at one
+    # per 0.5 s: 2 s of queue against a 1 s budget. A request that slow may serve is not
+    # charged that wait: slow has a free slot and nothing queued can use it, so it is
+    # placed there at admission (before: refused 429 with slow idle). One that only fast
+    # may serve is still refused: the queue claims fast.
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1})
+    s = router.scheduler
+    fast, slow = router.engines
+    only_fast = frozenset({fast.endpoint})
+
+    def to_fast(budget_s: float) -> Ticket:
+        t = ticket(router, 10, budget_s=budget_s)
+        t.candidates = only_fast
+        return t
+
+    running = to_fast(60)
+    assert s.admit(running, clock.t).engine is fast
+    for _ in range(14):
+        assert isinstance(s.admit(to_fast(60), clock.t), Queued)
+    for _ in range(10):
+        clock.t += 0.5
+        s.first_token(running, clock.t)
+        [running] = s.pump(clock.t)
+    assert len(s.queue) == 4 and s.queue_wait_s(clock.t) == pytest.approx(2.0)
+    late = ticket(router, 10, budget_s=1.0)
+    decision = s.admit(late, clock.t)
+    assert isinstance(decision, Dispatch) and decision.engine is slow
+    assert late.predicted_ttft_s < 1.0  # slow's own projection: no queue ahead there
+    assert len(s.queue) == 4
+    refused = s.admit(to_fast(1.0), clock.t)
+    assert isinstance(refused, Refuse) and refused.error.code == "ttft_budget_exceeded"
+    # slow's one slot is taken now: the next request waits (it may still use fast)
+    assert isinstance(s.admit(ticket(router, 10, budget_s=5.0), clock.t), Queued)
+
+
 def test_prediction_errors_are_kept_per_engine_and_for_the_pool():
     """Which engine's projections run wide is what an operator needs to see (the pool's
     p90 alone hides a slow engine mispredicted by a third behind a fast one measured to a
