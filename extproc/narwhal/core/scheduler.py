@@ -192,8 +192,9 @@ class Scheduler:
         1.5x (one run, ``--warmup 60 --duration 120``), 315 of the 1,018 refusals made
         behind a queue had an engine with a free slot (the l4 in 264 of them) where the
         request's calibrated projection, without the queue's ~5 s median drain time
-        (dilated), met the budget: refused where the pump would have placed it at once.
-        None: it joins the queue (or is refused) as before."""
+        (dilated), met the budget: refused where the pump would have placed it at once
+        (with this, +4-7% goodput in two alternated pairs of 1.5x cells). None: it
+        joins the queue (or is refused) as before."""
         if not self.unclaimed or not self.queue:
             return None
         free = [project(e, t, now=now) for e in self.pool.serviceable(now, t.candidates)
