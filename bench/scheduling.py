@@ -542,14 +542,20 @@ def run_drift(args: argparse.Namespace, mix: Mix, load: float) -> dict:
                     return
                 await asyncio.sleep(0.05)
 
+    watch = (StatusTrace(stack, Path(args.samples) / "drift.status.jsonl")
+             if args.samples else None)
     try:
         results = asyncio.run(drive(f"{stack.url}/v1/chat/completions",
                                     load * capacity_rps(args.time_scale), args.duration,
                                     args.seed, mix, args.time_scale,
                                     ((args.duration / 3, slow_down),)))
     finally:
+        if watch is not None:
+            watch.stop()
         stack.stop()
         pool.stop()
+    if args.samples:
+        dump(results, Path(args.samples) / "drift.jsonl")
     t0 = marks.get("drift")
     t1 = marks.get("detected")
     window = [r for r in results if r.engine == name and t0 is not None
