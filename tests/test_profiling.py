@@ -165,6 +165,7 @@ def test_a_drifted_engine_is_profiled_again_before_new_work(engines):
                    deadline=clock + 60)
         e.prefill += 1
         t.engine, t.dispatched_at, t.work, t.work_ahead = e, clock, work, work
+        t.predicted_ttft_s = 0.05 + work / 2000  # projected as the engine was at first
         e.prefill_work += work
         r.scheduler.first_token(t, clock + seconds)
 
@@ -183,6 +184,14 @@ def test_a_drifted_engine_is_profiled_again_before_new_work(engines):
     # and, measured again, it takes work from what its new profile verifies: the backlog
     # its old model had verified is history (kept without a profile: nothing replaces it)
     assert e.verified_work == (1100.0 if engines == 1 else 0.0)
+    # Its admission margins measured the old model: forgotten with it when it is
+    # profiled again (the pool's margin stands in until its own return); kept by the
+    # only engine, whose reopened model relearns from live traffic meanwhile.
+    if engines == 1:
+        assert e.calibration.factor(0.5) > 1.5  # the drift's ratios (~2x)
+    else:
+        assert e.calibration.octaves() == []
+        assert e.calibration.factor(0.5) == r.pool.calibration.factor(0.5) > 1.5
 
 
 def test_profile_probes_count_as_uncached_prompts_sent_to_the_engine():

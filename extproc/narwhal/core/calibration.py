@@ -55,7 +55,7 @@ class Calibration:
     """Measured/predicted TTFT ratios of one engine, by octave of the prediction."""
 
     __slots__ = ("_ratios", "_factors", "_pooled", "_all", "_seen", "_total", "overall",
-                 "pool")
+                 "pool", "epoch")
 
     def __init__(self, pool: Calibration | None = None) -> None:
         self.pool = pool  # every engine's samples: the margin where this one has none
@@ -68,6 +68,28 @@ class Calibration:
         self._seen = [0] * OCTAVES  # samples ever, per octave (the recompute cadence)
         self._total = 0
         self.overall = 1.0  # the p99 over every recent sample (the fallback; /status)
+        self.epoch = 0  # clears so far: a projection made before the last one is no sample
+
+    def clear(self) -> None:
+        """Forget every ratio: they measured a model the engine no longer has (its model
+        was reopened, and it is profiled again). Why: kept, the ratios of the requests that
+        showed a drift set the octave's p99 until 128 newer samples of that octave replace
+        them, and an octave the engine's projections no longer reach keeps them for good
+        (measured: an h100 halved in speed kept factors of 2.9 and 3.1, one for the whole
+        run, the other for the ~24 s its new projections took to fill the octave anew.
+        Until its octaves have their own again it borrows the pool's. The requests
+        projected before the clear teach it nothing (``epoch``): in that run the ones
+        still in flight while the engine was profiled again put 13 ratios near 3x into
+        an octave that had 9.)"""
+        for xs in self._ratios:
+            xs.clear()
+        self._factors = [None] * OCTAVES
+        self._pooled = [None] * OCTAVES
+        self._all.clear()
+        self._seen = [0] * OCTAVES
+        self._total = 0
+        self.overall = 1.0
+        self.epoch += 1
 
     def observe(self, predicted_s: float, measured_s: float) -> None:
         if predicted_s < MIN_PREDICTED_S:

@@ -60,7 +60,8 @@ class Learning:
         # Admission compares the budget with projection x the engine's calibration, so
         # that requests admitted close to the budget still meet it when the model is a
         # little optimistic about that engine (projections under 10 ms are not learned).
-        e.calibration.observe(t.predicted_ttft_s, measured)
+        if t.calibration_epoch == e.calibration.epoch:  # else projected by a model gone
+            e.calibration.observe(t.predicted_ttft_s, measured)
         self.pool.calibration.observe(t.predicted_ttft_s, measured)
 
     def completed(self, t: Ticket, output_tokens: int, last_token_at: float) -> None:

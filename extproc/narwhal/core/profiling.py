@@ -163,3 +163,4 @@ def reprofile(e: EngineState) -> None:
     # Kept, a drifted a100 came back to 24 placements at once, projected at 7-9 s with its
     # fresh model and measured at 13-19 s.
     e.verified_work = 0.0
+    e.calibration.clear()  # its ratios judged the model the engine had
