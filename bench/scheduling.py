@@ -613,7 +613,8 @@ def main() -> int:
     parser.add_argument("--plot", help="write a PNG of goodput and in-budget %% against load")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--samples", default="",
-                        help="a folder for each cell's per-request samples (JSON lines)")
+                        help="a folder for each cell's per-request samples and /status "
+                             "trace (JSON lines; the drift run's as drift.*)")
     parser.add_argument("--workload", choices=WORKLOADS, default="chat",
                         help="chat: four shared system prompts; tenants: 48 long ones")
     parser.add_argument("--tenants", type=int, default=48,
