@@ -568,6 +568,26 @@ def test_a_request_behind_a_queue_goes_at_once_where_no_queued_request_can():
     assert isinstance(s.admit(ticket(router, 10, budget_s=5.0), clock.t), Queued)
 
 
+def test_past_the_pumps_lookahead_no_engine_is_taken_beside_the_queue():
+    # The pump walks LOOKAHEAD waiting tickets and stops: the ones past it may claim any
+    # engine, so a request arriving behind them joins the queue (the next pump judges it
+    # in order) rather than going at once to slow, which the walked ones left free.
+    from narwhal.core.scheduler import LOOKAHEAD
+
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1})
+    s = router.scheduler
+    fast, slow = router.engines
+    first = ticket(router, 10, budget_s=60)
+    first.candidates = frozenset({fast.endpoint})
+    assert s.admit(first, clock.t).engine is fast
+    for _ in range(LOOKAHEAD + 1):
+        t = ticket(router, 10, budget_s=60)
+        t.candidates = frozenset({fast.endpoint})
+        assert isinstance(s.admit(t, clock.t), Queued)
+    assert s.pump(clock.t) == [] and slow.prefill == 0
+    assert isinstance(s.admit(ticket(router, 10, budget_s=60), clock.t), Queued)
+
+
 def test_prediction_errors_are_kept_per_engine_and_for_the_pool():
     """Which engine's projections run wide is what an operator needs to see (the pool's
     p90 alone hides a slow engine mispredicted by a third behind a fast one measured to a

@@ -59,6 +59,10 @@ class Calibration:
 
     def __init__(self, pool: Calibration | None = None) -> None:
         self.pool = pool  # every engine's samples: the margin where this one has none
+        self.epoch = 0  # clears so far: a projection made before the last one is no sample
+        self._empty()
+
+    def _empty(self) -> None:
         self._ratios: list[deque[float]] = [deque(maxlen=WINDOW) for _ in range(OCTAVES)]
         self._factors: list[float | None] = [None] * OCTAVES  # own p99 once MIN_SAMPLES
         # per octave, the p99 of the samples from two octaves below upwards: computed
@@ -68,7 +72,6 @@ class Calibration:
         self._seen = [0] * OCTAVES  # samples ever, per octave (the recompute cadence)
         self._total = 0
         self.overall = 1.0  # the p99 over every recent sample (the fallback; /status)
-        self.epoch = 0  # clears so far: a projection made before the last one is no sample
 
     def clear(self) -> None:
         """Forget every ratio: they measured a model the engine no longer has (its model
@@ -81,14 +84,7 @@ class Calibration:
         projected before the clear teach it nothing (``epoch``): in that run the ones
         still in flight while the engine was profiled again put 13 ratios near 3x into
         an octave that had 9.)"""
-        for xs in self._ratios:
-            xs.clear()
-        self._factors = [None] * OCTAVES
-        self._pooled = [None] * OCTAVES
-        self._all.clear()
-        self._seen = [0] * OCTAVES
-        self._total = 0
-        self.overall = 1.0
+        self._empty()
         self.epoch += 1
 
     def observe(self, predicted_s: float, measured_s: float) -> None:

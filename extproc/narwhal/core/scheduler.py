@@ -340,8 +340,8 @@ class Scheduler:
                                if not keep or waited + c.ttft_margin_s <= t.budget_s)
                 waiting += 1
                 open_ = [e for e in engines if id(e) not in claimed]
-                if waiting >= LOOKAHEAD:
-                    engines = []  # the tickets past the walk claim unknown engines
+                if waiting >= LOOKAHEAD:  # the tickets past the walk may claim any engine
+                    claimed.update(id(e) for e in engines)
                     break
                 if not open_ or (slots and not self._any_slot(open_)):
                     break  # nothing left that a later ticket could take
