@@ -79,7 +79,8 @@ def test_a_queued_request_holds_back_no_request_another_engine_can_serve(one_slo
     """No head-of-line blocking, end to end: slot-a's one prefill slot is held (the
     simulator's gate holds its first token), a second request that only slot-a may serve
     waits in the queue, and a third that slot-b may serve is answered by slot-b at once
-    instead of queueing behind it (strict FIFO held it until slot-a's gate opened)."""
+    instead of queueing behind it (strict FIFO held it until slot-a's gate opened), as is
+    a fourth that either may serve."""
     ep = endpoints(one_slot_each)
     sim_a = f"http://127.0.0.1:{one_slot_each.sims[0].port}"
     pool = concurrent.futures.ThreadPoolExecutor(2)
@@ -90,6 +91,12 @@ def test_a_queued_request_holds_back_no_request_another_engine_can_serve(one_slo
         queued = pool.submit(post, one_slot_each, {SUBSET_HEADER: ep["slot-a"]})
         wait_for(lambda: status(one_slot_each)["requests"]["queued"] == 1)
         resp = post(one_slot_each, {SUBSET_HEADER: ep["slot-b"]})
+        assert resp.status_code == 200
+        assert resp.headers["x-conformance-test-served-endpoint"] == ep["slot-b"]
+        # One that either engine may serve arrives behind the queue: it goes at once to
+        # slot-b, which the queued request does not claim (admission places it beside
+        # the queue), not behind it.
+        resp = post(one_slot_each, {})
         assert resp.status_code == 200
         assert resp.headers["x-conformance-test-served-endpoint"] == ep["slot-b"]
         assert status(one_slot_each)["requests"]["queued"] == 1 and not queued.done()
