@@ -68,6 +68,25 @@ def test_streams_are_spread_over_the_workers_and_handed_off(two_workers):
     assert st["engines"][0]["in_flight"] == 0 and st["requests"]["held"] == 0
 
 
+def test_the_schedulers_step_model_times_the_steps_the_workers_relay(two_workers):
+    """The engine's steps are timed in the scheduler process, as in one: each worker
+    reports the tokens that follow a pause (every step's first, one frame a step), and
+    the scheduler's step model measures the steps that computed prompts (none while the
+    workers kept every token to themselves)."""
+    client = client_for(two_workers)
+
+    def stream(i: int) -> int:
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"steps {i} " * 40}],
+            max_tokens=12, stream=True, stream_options={"include_usage": True}))
+        return chunks[-1].usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(stream, range(12))) == [12] * 12
+    st = settled(two_workers)
+    assert st["engines"][0]["step_model"]["steps"] > 0
+
+
 def test_a_worker_that_dies_is_started_again_and_its_requests_end(two_workers):
     before = settled(two_workers)
     old = before["workers"][0]

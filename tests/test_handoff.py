@@ -162,6 +162,34 @@ def test_handed_over_stream_ends_where_one_process_ends():
     in_loop(body)
 
 
+def test_a_worker_reports_each_engine_step_to_the_scheduler_not_each_token():
+    """The scheduler's step model times the engine's steps from their first tokens: a
+    worker sends a token that follows a pause of more than 2 ms (one frame a step), not
+    the tokens of the same step, and the scheduler's model measures the step."""
+    def body() -> None:
+        p = Pair()
+        snap, _ = p.forward(5, STREAM_BODY)
+        ex = p.take_over(5, snap)
+        t0 = 1000.0
+        for dt, first in ((0.0, True), (0.0005, False), (0.0015, False), (0.030, False),
+                          (0.0305, False), (0.060, False), (0.059, False)):
+            p.control.token(ex, t0 + dt, first)
+        sent = [(round(f[2] - t0, 4), f[3]) for f in p.to_sched.frames if f[0] == w.W_TOKEN]
+        assert sent == [(0.0, True), (0.03, False), (0.06, False)]
+        model = p.sched.engines[0].model
+        assert model.step_model.summary()["steps"] == 0
+        p.report()
+        # The prompt dispatched before the first step was computed in it: a step length.
+        assert model.step_model.summary()["steps"] == 1
+        assert model.last_step_at == t0 + 0.060
+        p.port.on_frame([w.W_TOKEN, 5, t0 + 0.0595, False])  # another worker's, read late
+        assert model.last_step_at == t0 + 0.060  # a step already seen: no step, no rewind
+        assert model.step_model.summary()["steps"] == 1
+        ex.close()
+
+    in_loop(body)
+
+
 def test_non_streaming_assembly_runs_in_the_worker():
     def body() -> None:
         p = Pair()

@@ -53,6 +53,14 @@ class Control:
             ex.engine = moved
         return moved
 
+    def token(self, ex: Exchange, now: float, first: bool) -> None:
+        """Output tokens of the request left its engine at ``now`` (``first``: its first,
+        whose sequence decodes from that step on): they end one of the engine's steps,
+        which its step model times."""
+        e = ex.engine
+        if e is not None:
+            e.model.token(now, e.decode + (1 if first else 0))
+
     def first_token(self, ex: Exchange, now: float) -> None:
         """Its first output token: the prefill slot is free, the queue may move."""
         t = ex.ticket

@@ -519,8 +519,8 @@ class Exchange:
         e = self.engine
         t = self.ticket
         first = t is not None and t.first_token_at is None
-        if e is not None:  # every token leaves at the end of an engine step (from which
-            e.model.token(now, e.decode + (1 if first else 0))  # its sequence decodes too)
+        if e is not None:  # every token leaves at the end of an engine step
+            self.router.control.token(self, now, first)
         if first:
             self.router.control.first_token(self, now)
         self.last_token_at = now

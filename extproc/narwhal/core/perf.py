@@ -371,8 +371,12 @@ class PerfModel:
     def token(self, now: float, decodes: int) -> None:
         """A token Narwhal relayed from the engine at ``now`` (``decodes`` sequences decode
         there): it left at the end of one of the engine's steps. (With
-        ``serving.workers`` the scheduler sees no tokens, only first tokens, and the step
-        model measures no steps: its projection stays 0 and the fit does without.)"""
+        ``serving.workers`` the scheduler hears from each worker the tokens that follow a
+        pause, so every step's first token, possibly a little out of order between
+        workers: a token older than the latest is of a step already seen.)"""
+        last = self.last_step_at
+        if last is not None and now < last:
+            return
         self.last_step_at = now
         if self.step_model.token(now, decodes):  # a new step: tokens of one step arrive
             # within a fraction of a decode step of each other

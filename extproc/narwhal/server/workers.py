@@ -52,6 +52,7 @@ from ..core.engines import EngineState
 from ..core.exchange import Action, Exchange, Phase
 from ..core.handoff import resume, snapshot
 from ..core.router import Router
+from ..core.steps import MIN_GAP_S
 from .access_log import ACCESS_LOG_PATH, AccessLogCall
 from .driver import Driver, Runtime
 from .extproc import PROCESS_PATH, ExtProcCall, _dispatch, send_actions
@@ -63,7 +64,7 @@ log = logging.getLogger("narwhal.workers")
 # Worker -> scheduler frames: [kind, stream id, ...]. A stream's first message is W_OPEN:
 # a W_MSG for a stream the scheduler does not hold (it ended it meanwhile) is dropped.
 (W_HELLO, W_OPEN, W_MSG, W_CLOSE, W_SERVED, W_FIRST, W_RELEASE, W_COUNT, W_CLOSED,
- W_VERDICT) = range(10)
+ W_VERDICT, W_TOKEN) = range(11)
 # Scheduler -> worker frames.
 S_SEND, S_FINISH, S_HANDOFF, S_READY = range(4)
 MAX_FRAME = 64 * 1024 * 1024  # an ext_proc message is at most serving.max_message_bytes
@@ -239,6 +240,8 @@ class WorkerPort:
         ex, control = call.driver.ex, self.runtime.router.control
         if kind == W_SERVED:
             control.served_by(ex, f[2])
+        elif kind == W_TOKEN:
+            control.token(ex, f[2], f[3])
         elif kind == W_FIRST:
             control.first_token(ex, f[2])
         elif kind == W_RELEASE:
@@ -388,6 +391,24 @@ class RemoteControl(Control):
         ex.engine = t.engine = moved or self.engine_for(endpoint, endpoint)
         t.failover = True
         return ex.engine
+
+    def token(self, ex: Exchange, now: float, first: bool) -> None:
+        """The scheduler's step model times the engine's steps from the tokens it sees
+        leave them, and here it sees none: each token that comes more than ``MIN_GAP_S``
+        after the last one this worker relayed from that engine goes there (every step's
+        first token does: the step model's own gap is never shorter), the rest, tokens of
+        the same step, do not. So one frame per engine step, not per token (paced streams
+        that never pause for 2 ms send next to none), and the scheduler's model measures
+        steps as in one process instead of none. (``e`` is this worker's copy of the
+        engine: its model only keeps the time of the last token here.)"""
+        e = ex.engine
+        if e is None:
+            return
+        m = e.model
+        last = m.last_step_at
+        if last is None or now - last > MIN_GAP_S:
+            self.link.send((W_TOKEN, self.sids[ex], now, first))
+        m.last_step_at = now
 
     def first_token(self, ex: Exchange, now: float) -> None:
         t = ex.ticket
