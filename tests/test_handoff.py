@@ -44,7 +44,7 @@ class FakeLink:
     def __init__(self) -> None:
         self.frames: list[list[Any]] = []
 
-    def send(self, frame: tuple[Any, ...], urgent: bool = True) -> None:
+    def send(self, frame: tuple[Any, ...]) -> None:
         self.frames.append(msgspec.msgpack.decode(msgspec.msgpack.encode(frame)))
 
     def take(self) -> list[list[Any]]:
@@ -283,47 +283,6 @@ def test_a_worker_that_dies_between_release_and_count_leaves_nothing_uncounted()
         assert p.port.calls == {}
 
     in_loop(body)
-
-
-class Written:
-    """A link's transport: what was written, write by write."""
-
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-
-    def set_write_buffer_limits(self, high: int | None = None) -> None:
-        pass
-
-    def is_closing(self) -> bool:
-        return False
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(data)
-
-
-def test_a_frame_that_may_wait_goes_with_the_next_urgent_one_or_after_a_while(monkeypatch):
-    """An engine-step report wakes the other process only with a frame that cannot wait,
-    or on its own after ``LAZY_S``; order is kept."""
-    async def body() -> None:
-        link = w.Link(lambda f: None, lambda: None)
-        out = Written()
-        link.connection_made(out)  # type: ignore[arg-type]
-        link.send((w.W_TOKEN, 1, 1.0, False), urgent=False)
-        for _ in range(3):
-            await asyncio.sleep(0)
-        assert out.writes == []  # nothing else to go with: it waits
-        link.send((w.W_FIRST, 1, 1.0))
-        await asyncio.sleep(0)
-        got: list[list[Any]] = []
-        w.Link(got.append, lambda: None).data_received(b"".join(out.writes))
-        assert len(out.writes) == 1 and [f[0] for f in got] == [w.W_TOKEN, w.W_FIRST]
-        monkeypatch.setattr(w, "LAZY_S", 0.0)
-        link.send((w.W_TOKEN, 1, 2.0, False), urgent=False)
-        for _ in range(3):
-            await asyncio.sleep(0)
-        assert len(out.writes) == 2  # on its own once LAZY_S passed
-
-    asyncio.run(body())
 
 
 class FakeTransport:

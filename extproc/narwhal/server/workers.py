@@ -69,9 +69,6 @@ log = logging.getLogger("narwhal.workers")
 S_SEND, S_FINISH, S_HANDOFF, S_READY = range(4)
 MAX_FRAME = 64 * 1024 * 1024  # an ext_proc message is at most serving.max_message_bytes
 LINK_HIGH = 4 * 1024 * 1024  # a link's unsent bytes above which its feeders stop reading
-# How long a frame that may wait (``Link.send(..., urgent=False)``) waits at most for an
-# urgent one to go with.
-LAZY_S = 0.02
 HELLO_TIMEOUT_S = 60.0
 RESTART_DELAY_S = 1.0
 _encode = msgspec.msgpack.Encoder().encode
@@ -84,11 +81,7 @@ def worker_socket(config: Config, index: int) -> str:
 
 class Link(asyncio.Protocol):
     """Length-prefixed msgpack frames on a local stream socket; sends are gathered and
-    written once per event-loop turn. A frame that may wait goes with the next urgent one,
-    or after ``LAZY_S``: each write wakes the other process, and the engine-step reports
-    (``RemoteControl.token``), one per engine step, cost the scheduler ~1.4 us per paced
-    token event in wake-ups when each was written on its own (``bench.datapath``, paced
-    streams in lockstep: a 5 ms step)."""
+    written once per event-loop turn."""
 
     def __init__(self, on_frame: Callable[[list[Any]], None],
                  on_lost: Callable[[], None]) -> None:
@@ -99,7 +92,6 @@ class Link(asyncio.Protocol):
         self.buf = bytearray()
         self.out: list[bytes] = []
         self.scheduled = False
-        self.lazy: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
@@ -137,25 +129,16 @@ class Link(asyncio.Protocol):
         self.transport = None
         self.on_lost()
 
-    def send(self, frame: tuple[Any, ...], urgent: bool = True) -> None:
+    def send(self, frame: tuple[Any, ...]) -> None:
         data = _encode(frame)
         self.out += (len(data).to_bytes(4, "big"), data)
-        if self.scheduled:
-            return
-        if urgent:
+        if not self.scheduled:
             self.scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
-        elif self.lazy is None:
-            self.lazy = asyncio.get_running_loop().call_later(LAZY_S, self._flush)
 
     def _flush(self) -> None:
         self.scheduled = False
-        if self.lazy is not None:
-            self.lazy.cancel()
-            self.lazy = None
         out, self.out = self.out, []
-        if not out:
-            return
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(b"".join(out))
 
@@ -423,10 +406,8 @@ class RemoteControl(Control):
             return
         m = e.model
         last = m.last_step_at
-        if last is None or now - last > MIN_GAP_S:  # the time travels in the frame: it
-            # may wait for the next frame that cannot (the scheduler learns the step late,
-            # not wrong)
-            self.link.send((W_TOKEN, self.sids[ex], now, first), urgent=False)
+        if last is None or now - last > MIN_GAP_S:
+            self.link.send((W_TOKEN, self.sids[ex], now, first))
         m.last_step_at = now
 
     def first_token(self, ex: Exchange, now: float) -> None:
