@@ -397,10 +397,10 @@ class RemoteControl(Control):
         leave them, and here it sees none: each token that comes more than ``MIN_GAP_S``
         after the last one this worker relayed from that engine goes there (every step's
         first token does: the step model's own gap is never shorter), the rest, tokens of
-        the same step, do not. So one frame per engine step, not per token (paced streams
-        that never pause for 2 ms send next to none), and the scheduler's model measures
-        steps as in one process instead of none. (``e`` is this worker's copy of the
-        engine: its model only keeps the time of the last token here.)"""
+        the same step, do not. So one frame per engine step, not per token, and the
+        scheduler's model measures steps as in one process instead of none. (``e`` is
+        this worker's copy of the engine: its model only keeps the time of the last token
+        here.)"""
         e = ex.engine
         if e is None:
             return
