@@ -516,11 +516,9 @@ class Exchange:
     def _tokens(self, n: int) -> None:
         """Output tokens arrived: the first frees the prefill slot; later ones time TPOT."""
         now = self.router.clock()
-        e = self.engine
         t = self.ticket
         first = t is not None and t.first_token_at is None
-        if e is not None:  # every token leaves at the end of an engine step
-            self.router.control.token(self, now, first)
+        self.router.control.token(self, now, first)  # it left at the end of an engine step
         if first:
             self.router.control.first_token(self, now)
         self.last_token_at = now
