@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 HELM   := .tools/bin/helm
 
-.PHONY: demo test lint bench bench-scheduling clean containers vllm
+.PHONY: demo test lint bench bench-scheduling bench-vllm clean containers vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ bench: $(STAMP)
 bench-scheduling: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench.scheduling --drift --plot docs/bench-scheduling.png
+
+# The promise against real vLLM (CPU): Narwhal predictive vs the engine reached directly.
+bench-vllm: $(STAMP) vllm
+	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/python -m bench.vllm_admission
 
 clean:
 	rm -rf $(VENV) .venv-vllm .tools .pytest_cache .ruff_cache

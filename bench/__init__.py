@@ -1,5 +1,6 @@
 """Benchmarks: the data path (``bench.datapath``), one message in process
-(``bench.messages``) and scheduling (``bench.scheduling``)."""
+(``bench.messages``), scheduling on the simulator (``bench.scheduling``) and admission in
+front of real vLLM (``bench.vllm_admission``)."""
 
 from __future__ import annotations
 

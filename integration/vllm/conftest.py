@@ -8,7 +8,6 @@ test time, each behind its own Envoy + Narwhal. Started once per test session.
 from __future__ import annotations
 
 import json
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,8 +20,7 @@ import pytest
 from narwhal.launch import Stack, free_port
 
 from ..conftest import wait_for
-from .engine import SERVED_MODEL, VllmServer, vllm_python
-from .model import build
+from .engine import SERVED_MODEL, VllmServer, built_model
 
 VARIANTS = {
     "tools": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
@@ -82,9 +80,7 @@ class Pair:
 def vllm_servers(tmp_path_factory) -> Iterator[dict[str, VllmServer]]:
     """Both servers start at once (each ~1 min and ~3 GB on 2 cores)."""
     root: Path = tmp_path_factory.mktemp("vllm")
-    model = build(root / "model")
-    subprocess.run([vllm_python(), str(Path(__file__).with_name("model.py")), str(model),
-                    "--weights"], check=True, capture_output=True)
+    model = built_model(root / "model")
     servers = {name: VllmServer(f"vllm-{name}", model, root, args) for name, args in
                VARIANTS.items()}
     kv_port, replay_port = free_port(), free_port()
@@ -137,6 +133,25 @@ def workers_pair(vllm_servers) -> Iterator[Pair]:
     sock = str(Path(tempfile.mkdtemp(prefix="nw-")) / "x.sock")
     yield from _pair(vllm_servers["tools"],
                      serving={"model": SERVED_MODEL, "workers": 2, "extproc_socket": sock})
+
+
+# The small model's engine behind a budget of a few of its prefills (each ~1 s here).
+SMALL_BUDGET_MS = 4000
+
+
+@pytest.fixture(scope="module")
+def small_pair(tmp_path_factory) -> Iterator[Pair]:
+    """vLLM over the "small" model, whose prefill takes ~1 ms a prompt token on one CPU
+    thread, so that a backlog on it lasts seconds (on the tiny model it lasts
+    milliseconds and cannot be held from outside), behind a Narwhal with a TTFT target of
+    ``SMALL_BUDGET_MS``. Module-scoped: its ~3 GB are given back when its tests end."""
+    root: Path = tmp_path_factory.mktemp("vllm-small")
+    server = VllmServer("vllm-small", built_model(root / "model", "small"), root).spawn()
+    try:
+        server.wait()
+        yield from _pair(server, admission={"ttft_target_ms": SMALL_BUDGET_MS})
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

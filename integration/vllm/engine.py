@@ -16,7 +16,7 @@ from pathlib import Path
 
 from narwhal.launch import LaunchError, Proc, free_port
 
-from .model import MAX_MODEL_LEN
+from .model import MAX_MODEL_LEN, build
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVED_MODEL = "narwhal-tiny"
@@ -28,6 +28,15 @@ def vllm_python() -> str:
     if not Path(path).exists():
         raise LaunchError(f"no vLLM interpreter at {path}: run `make vllm` (make test does)")
     return path
+
+
+def built_model(directory: Path, size: str = "tiny") -> Path:
+    """The model's files and its seeded weights in ``directory`` (the weights are written
+    with the engine's own torch, under vLLM's interpreter)."""
+    model = build(directory, size)
+    subprocess.run([vllm_python(), str(Path(__file__).with_name("model.py")), str(model),
+                    "--weights"], check=True, capture_output=True)
+    return model
 
 
 @dataclass

@@ -3,16 +3,22 @@ profile's probes, identified by token IDs), and the seed's predictive rows hold 
 was learned.
 
 The row "projected total over the budget although the prompt alone fits" needs a backlog
-held on the engine while the request arrives; a CPU vLLM prefills a prompt of this
-size in milliseconds and cannot be held from outside, so that row is proven through
-Envoy against the simulator's gate (``integration/test_admission.py``).
+held on the engine while the request arrives. The tiny model prefills a prompt in
+milliseconds, so that row runs on the "small" model's engine (``small_pair``), whose
+prefill of a long prompt takes about a second on this CPU: a burst of them is a backlog
+of several budgets, held by the engine itself.
 """
 
 from __future__ import annotations
 
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 import openai
 import pytest
 
+from .conftest import SMALL_BUDGET_MS
 from .engine import SERVED_MODEL
 from .test_vllm_requests import CHAT, MSGS
 
@@ -61,3 +67,53 @@ def test_an_admitted_request_carries_its_projection(tools_pair):
     assert resp.status_code == 200, resp.text
     assert int(resp.headers["x-narwhal-predicted-ttft-ms"]) >= 1
     assert 1 <= resp.json()["usage"]["completion_tokens"] <= 4
+
+
+BURST = 16  # prompts of ~1,300 tokens: ~19 s of this CPU's prefill, about five budgets
+
+
+def _long_body(i: int) -> dict:
+    words = " ".join(f"narwhal{(i * 7919 + j) % 997} tusk" for j in range(330))
+    return {"model": SERVED_MODEL, "max_tokens": 2,
+            "messages": [{"role": "user", "content": f"{i}: {words}"}]}
+
+
+def test_a_request_behind_a_backlog_over_the_budget_is_refused_with_its_overrun(small_pair):
+    """Sixteen long prompts at once: each alone fits the budget (projected ~1.2 s of
+    prefill on an idle engine, against 4 s), together they are about five budgets. The
+    first is admitted and held by vLLM (more where the projection allows; measured: one,
+    the second projected at 4.0-4.7 s behind it, the one-step floor included); the rest
+    are projected over the budget and refused with 429 ``ttft_budget_exceeded`` and a
+    Retry-After of their overrun rounded to whole seconds (at least 1). Every admitted one
+    completes, the counters hold, and a refused request sent again once the backlog is
+    gone is admitted: its prompt alone did fit."""
+    before = small_pair.stack_counts()
+    bodies = [_long_body(i) for i in range(BURST)]
+    with httpx.Client(base_url=small_pair.stack.url, timeout=120) as c, \
+            ThreadPoolExecutor(BURST) as pool:
+        responses = list(pool.map(lambda b: c.post(CHAT, json=b), bodies))
+    admitted = [r for r in responses if r.status_code == 200]
+    refused = [(b, r) for b, r in zip(bodies, responses, strict=True) if r.status_code == 429]
+    assert len(admitted) + len(refused) == BURST, [r.text for r in responses]
+    assert admitted and refused, [r.status_code for r in responses]
+    for _, resp in refused:
+        error = resp.json()["error"]
+        assert error["code"] == "ttft_budget_exceeded", error
+        found = re.search(r"Projected time to first token (\d+) ms exceeds the (\d+) ms budget "
+                          r"by (\d+) ms", error["message"])
+        assert found, error["message"]
+        projected, budget, overrun = (int(x) for x in found.groups())
+        assert budget == SMALL_BUDGET_MS and abs(projected - budget - overrun) <= 1
+        retry = int(resp.headers["retry-after"])
+        assert retry >= 1 and abs(retry - max(1.0, overrun / 1000)) <= 0.5 + 1e-3
+    for resp in admitted:
+        assert resp.json()["usage"]["completion_tokens"] >= 1
+    counts = small_pair.stack_counts()
+    assert counts["completed"] - before["completed"] == len(admitted)
+    assert counts["refused"] - before["refused"] == len(refused)
+    assert small_pair.settled()["requests"]["held"] == 0
+    body, _ = refused[-1]
+    with small_pair.routed() as c:
+        again = c.post(CHAT, json=body)
+    assert again.status_code == 200, again.text
+    assert int(again.headers["x-narwhal-predicted-ttft-ms"]) <= SMALL_BUDGET_MS

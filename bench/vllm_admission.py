@@ -1,0 +1,233 @@
+"""The promise against real vLLM: predictive admission in front of a vLLM 0.32 CPU server,
+under open-loop load, beside the same server reached directly.
+
+    python -m bench.vllm_admission [--duration S] [--warmup S] [--loads 1,1.5]
+        [--budget-ms MS] [--capacity RPS] [--samples DIR]
+
+Why it exists: the scheduling benchmark's engines are ``narwhal sim``, written to vLLM
+v1's scheduler semantics but written here. This one puts a real continuous-batching
+engine that Narwhal did not write behind Envoy + Narwhal: vLLM's CPU build serving a
+random-weight Llama of the "small" shape (``integration/vllm/model.py``; ~0.9 ms a prompt
+token and ~14 ms an output token on one thread of this machine, so that its queue is
+seconds deep under load, not noise), ``--max-num-seqs 8``, chunked prefill, prefix caching
+off. Narwhal runs its defaults (four prefill slots per engine, the model seeds, drift
+scoring) but for the TTFT target (``--budget-ms``) and the request limits a queue of this
+depth needs. The engine shares this machine's two cores with Envoy, Narwhal and the load
+generator: its speed moves with their load, which is the point (nothing holds it still).
+
+Workload: single-turn streaming chat, prompts lognormal (median ~250 tokens, at most
+~1,100), ``max_tokens`` lognormal (median 24, at most 96; a random-weight model seldom
+stops by itself, so ``max_tokens`` is the output length). ``--capacity``: the engine's
+saturated throughput in requests/s; without it the run measures it first (16 clients
+in a closed loop straight to vLLM, which runs 8 at a time). Per path and load: goodput
+(completed within the budget, per second), % of admitted within it, TTFT p50/p90/p99,
+refused, and Narwhal's TTFT prediction error (header ``x-narwhal-predicted-ttft-ms``
+against the client's measurement). ``direct`` is the client straight to vLLM: what any
+router without admission control gives in front of one engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+from integration.vllm.engine import SERVED_MODEL, VllmServer, built_model
+
+from bench import scratch
+from bench.scheduling import Result, StatusTrace, dump, profiled, summarize
+from narwhal.launch import Stack
+
+PATHS = ("narwhal", "direct")
+WORDS = ("the quick brown fox jumps over lazy dog narwhal tusk ocean arctic ice whale pod "
+         "swim deep cold water light wave router engine token prefill decode budget").split()
+CLIENT_TIMEOUT_S = 120.0
+
+
+def request_body(rng: random.Random) -> dict:
+    """One chat request: ~``words`` prompt tokens (a word and a space are about two of
+    this tokenizer's tokens), ``max_tokens`` as the output length."""
+    words = min(550, max(10, round(rng.lognormvariate(math.log(125), 0.7))))
+    out = min(96, max(4, round(rng.lognormvariate(math.log(24), 0.6))))
+    prompt = " ".join(rng.choice(WORDS) for _ in range(words))
+    return {"model": SERVED_MODEL, "stream": True, "max_tokens": out,
+            "messages": [{"role": "user", "content": prompt}],
+            "stream_options": {"include_usage": True}}
+
+
+async def one(session: aiohttp.ClientSession, url: str, body: dict) -> Result:
+    start = time.monotonic()
+    result = Result(0, start)
+    try:
+        async with session.post(url, data=orjson.dumps(body),
+                                headers={"content-type": "application/json"}) as resp:
+            result.status = resp.status
+            predicted = resp.headers.get("x-narwhal-predicted-ttft-ms")
+            result.predicted_s = int(predicted) / 1000 if predicted else None
+            if resp.status != 200:
+                try:
+                    error = orjson.loads(await resp.read())["error"]
+                    result.refusal = f"{error['code']}: {error['message']}"
+                except (orjson.JSONDecodeError, KeyError, TypeError):
+                    pass
+                return result
+            first = last = None
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = orjson.loads(line[6:])
+                usage = event.get("usage")
+                if usage:
+                    result.prompt_tokens = usage.get("prompt_tokens")
+                for choice in event.get("choices") or ():
+                    if (choice.get("delta") or {}).get("content") is not None:
+                        last = time.monotonic()
+                        if first is None:
+                            first = last
+                            result.ttft_s = first - start
+                        result.tokens += 1
+            result.end = time.monotonic()
+            if first is not None and last is not None and result.tokens > 1:
+                result.tpot_s = (last - first) / (result.tokens - 1)
+    except (TimeoutError, aiohttp.ClientError):
+        pass
+    return result
+
+
+async def drive(url: str, rate: float, warmup: float, duration: float,
+                seed: int) -> list[Result]:
+    """Poisson arrivals at ``rate`` for ``warmup`` + ``duration`` s; returns the requests
+    that arrived after the warm-up."""
+    rng, bodies = random.Random(seed), random.Random(seed + 1)
+    timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        t = time.monotonic()
+        measured, end = t + warmup, t + warmup + duration
+        tasks = []
+        while True:
+            t += rng.expovariate(rate)
+            if t >= end:
+                break
+            await asyncio.sleep(max(0.0, t - time.monotonic()))
+            tasks.append(asyncio.ensure_future(one(session, url, request_body(bodies))))
+        done = await asyncio.gather(*tasks)
+    return [r for r in done if r.start >= measured]
+
+
+async def saturate(url: str, clients: int, warmup: float, duration: float) -> float:
+    """Completions per second with ``clients`` requests always outstanding."""
+    bodies = random.Random(99)
+    ends: list[float] = []
+    stop = time.monotonic() + warmup + duration
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while time.monotonic() < stop:
+            r = await one(session, url, request_body(bodies))
+            if r.status == 200 and r.end is not None:
+                ends.append(r.end)
+
+    timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        start = time.monotonic()
+        await asyncio.gather(*(client(session) for _ in range(clients)))
+    counted = [e for e in ends if start + warmup <= e <= stop]
+    return len(counted) / duration
+
+
+def narwhal(engine: VllmServer, budget_ms: int) -> Stack:
+    config = {
+        "serving": {"model": SERVED_MODEL},
+        "admission": {"mode": "predictive", "ttft_target_ms": budget_ms, "queue_limit": 1024,
+                      "retention_limit": 4096, "max_wait_ms": 600_000},
+        "engines": [{"name": engine.name, "url": engine.url, "dialect": "vllm"}],
+    }
+    stack = Stack(sims=[], config=config, model=SERVED_MODEL).start()
+    profiled(stack)
+    return stack
+
+
+def start_engine(workdir: Path) -> VllmServer:
+    return VllmServer("vllm-small", built_model(workdir / "model", "small"), workdir).spawn().wait()
+
+
+def _fmt(x: float | None, pct: bool = False) -> str:
+    if x is None or x != x:
+        return "-"
+    return f"{x:.1%}" if pct else f"{x * 1000:.0f}ms"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=120.0, help="measured seconds a cell")
+    parser.add_argument("--warmup", type=float, default=30.0,
+                        help="seconds of load at the cell's rate before it is measured")
+    parser.add_argument("--loads", default="1,1.5", help="multiples of the engine's capacity")
+    parser.add_argument("--budget-ms", type=int, default=3000, help="TTFT budget")
+    parser.add_argument("--capacity", type=float, default=0.0,
+                        help="the engine's saturated requests/s (measured first if absent)")
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--samples", default="", help="a folder for per-request samples "
+                        "and Narwhal's /status trace (JSON lines)")
+    args = parser.parse_args()
+    loads = [float(x) for x in args.loads.split(",")]
+    paths = [p for p in args.paths.split(",") if p]
+    for p in paths:
+        if p not in PATHS:
+            parser.error(f"unknown path {p!r}; one of {', '.join(PATHS)}")
+    budget_s = args.budget_ms / 1000
+    rows = []
+    with scratch("narwhal-vllm-") as workdir:
+        engine = start_engine(workdir)
+        try:
+            direct_url = f"{engine.url}/v1/chat/completions"
+            capacity = args.capacity or asyncio.run(saturate(direct_url, 16, 15.0, 45.0))
+            for path in paths:
+                stack = narwhal(engine, args.budget_ms) if path == "narwhal" else None
+                try:
+                    url = (f"{stack.url}/v1/chat/completions" if stack is not None
+                           else direct_url)
+                    for load in loads:
+                        name = f"{path}-{load:g}"
+                        trace = (StatusTrace(stack, Path(args.samples) / f"{name}.status.jsonl")
+                                 if stack is not None and args.samples else None)
+                        results = asyncio.run(drive(url, load * capacity, args.warmup,
+                                                    args.duration, args.seed))
+                        if trace is not None:
+                            trace.stop()
+                        if args.samples:
+                            dump(results, Path(args.samples) / f"{name}.jsonl")
+                        rows.append((path, load, summarize(results, args.duration, budget_s,
+                                                           1.0)))
+                        print(f"  {name} done", file=sys.stderr)
+                finally:
+                    if stack is not None:
+                        stack.stop()
+        finally:
+            engine.stop()
+    print(f"Narwhal against real vLLM (CPU, model 'small', max-num-seqs 8): TTFT budget "
+          f"{args.budget_ms} ms; engine capacity {capacity:.2f} req/s"
+          f"{' (given)' if args.capacity else ' (measured)'}")
+    print(f"reproduce: python -m bench.vllm_admission --duration {args.duration:g} --warmup "
+          f"{args.warmup:g} --loads {args.loads} --budget-ms {args.budget_ms} --capacity "
+          f"{capacity:.2f} --paths {args.paths} --seed {args.seed}")
+    print(f"{'path':8} {'load':>4} {'req/s':>6} {'goodput':>7} {'in-budget':>9} {'TTFT p50':>8} "
+          f"{'p90':>7} {'p99':>7} {'refused':>7} {'other':>5} {'pred p50/p90/MAPE':>19}")
+    for path, load, s in rows:
+        err = (f"{_fmt(s['err50'], True)}/{_fmt(s['err90'], True)}/{_fmt(s['mape'], True)}"
+               if s["err50"] is not None else "-")
+        print(f"{path:8} {load:>4g} {s['offered'] / args.duration:6.2f} {s['goodput']:7.2f} "
+              f"{s['in_budget']:9.1%} {_fmt(s['ttft50']):>8} {_fmt(s['ttft90']):>7} "
+              f"{_fmt(s['ttft99']):>7} {s['refused']:7.1%} {s['other']:5d} {err:>19}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
