@@ -155,8 +155,20 @@ async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: in
     messages = work.next()
     body = {"model": MODEL, "stream": True, "max_tokens": MAX_TOKENS, "seed": seed,
             "messages": messages, "stream_options": {"include_usage": True}}
+    result, reply = await stream(session, url, body)
+    if result.end is not None:
+        work.answered(messages, "".join(reply))
+    return result
+
+
+async def stream(session: aiohttp.ClientSession, url: str,
+                 body: dict) -> tuple[Result, list[str]]:
+    """One streaming request as a client sees it: status, Narwhal's prediction headers,
+    the first token's and each later token's arrival, the engine's usage; and the reply's
+    text (``end`` is set only when the stream completed)."""
     start = time.monotonic()
     result = Result(0, start)
+    reply: list[str] = []
     try:
         async with session.post(url, data=orjson.dumps(body),
                                 headers={"content-type": "application/json"}) as resp:
@@ -169,15 +181,13 @@ async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: in
             cached = resp.headers.get("x-narwhal-predicted-cached-tokens")
             result.predicted_cached = int(cached) if cached else None
             if resp.status != 200:
-                body = await resp.read()
                 try:
-                    error = orjson.loads(body)["error"]
+                    error = orjson.loads(await resp.read())["error"]
                     result.refusal = f"{error['code']}: {error['message']}"
                 except (orjson.JSONDecodeError, KeyError, TypeError):
                     pass
-                return result
+                return result, reply
             first = last = None
-            reply: list[str] = []
             async for line in resp.content:
                 if not line.startswith(b"data: {"):
                     continue
@@ -196,12 +206,11 @@ async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: in
                         result.tokens += 1
                         reply.append(piece)
             result.end = time.monotonic()
-            if first is not None and result.tokens > 1:
+            if first is not None and last is not None and result.tokens > 1:
                 result.tpot_s = (last - first) / (result.tokens - 1)
-            work.answered(messages, "".join(reply))
     except (TimeoutError, aiohttp.ClientError):
         pass
-    return result
+    return result, reply
 
 
 # A client gives up after this long (GPU-equivalent: times ``--time-scale``); bounds each

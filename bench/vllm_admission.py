@@ -37,11 +37,10 @@ import time
 from pathlib import Path
 
 import aiohttp
-import orjson
 from integration.vllm.engine import SERVED_MODEL, VllmServer, built_model
 
 from bench import scratch
-from bench.scheduling import Result, StatusTrace, dump, profiled, summarize
+from bench.scheduling import Result, StatusTrace, dump, profiled, stream, summarize
 from narwhal.launch import Stack
 
 PATHS = ("narwhal", "direct")
@@ -62,42 +61,7 @@ def request_body(rng: random.Random) -> dict:
 
 
 async def one(session: aiohttp.ClientSession, url: str, body: dict) -> Result:
-    start = time.monotonic()
-    result = Result(0, start)
-    try:
-        async with session.post(url, data=orjson.dumps(body),
-                                headers={"content-type": "application/json"}) as resp:
-            result.status = resp.status
-            predicted = resp.headers.get("x-narwhal-predicted-ttft-ms")
-            result.predicted_s = int(predicted) / 1000 if predicted else None
-            if resp.status != 200:
-                try:
-                    error = orjson.loads(await resp.read())["error"]
-                    result.refusal = f"{error['code']}: {error['message']}"
-                except (orjson.JSONDecodeError, KeyError, TypeError):
-                    pass
-                return result
-            first = last = None
-            async for line in resp.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                event = orjson.loads(line[6:])
-                usage = event.get("usage")
-                if usage:
-                    result.prompt_tokens = usage.get("prompt_tokens")
-                for choice in event.get("choices") or ():
-                    if (choice.get("delta") or {}).get("content") is not None:
-                        last = time.monotonic()
-                        if first is None:
-                            first = last
-                            result.ttft_s = first - start
-                        result.tokens += 1
-            result.end = time.monotonic()
-            if first is not None and last is not None and result.tokens > 1:
-                result.tpot_s = (last - first) / (result.tokens - 1)
-    except (TimeoutError, aiohttp.ClientError):
-        pass
-    return result
+    return (await stream(session, url, body))[0]
 
 
 async def drive(url: str, rate: float, warmup: float, duration: float,
