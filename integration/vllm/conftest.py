@@ -1,8 +1,12 @@
-"""The real-vLLM tier: two vLLM 0.32 CPU servers over a tiny random-weight Llama built at
-test time, each behind its own Envoy + Narwhal. Started once per test session.
+"""The real-vLLM tier: vLLM 0.32 CPU servers over random-weight Llamas built at test time,
+each behind its own Envoy + Narwhal. Over the tiny model, started once per test session:
 
 * ``tools``: ``--enable-auto-tool-choice --tool-call-parser hermes``
 * ``reasoning``: ``--reasoning-parser deepseek_r1``
+* ``kv``: prefix caching on, publishing its KV-cache events
+
+and over the small model, for the admission tests that need a backlog held on the
+engine, started for their module only: ``small`` (``small_pair``).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def built_model(directory: Path, size: str = "tiny") -> Path:
 
 @dataclass
 class VllmServer:
-    """One ``vllm.entrypoints.openai.api_server`` process over the tiny model."""
+    """One ``vllm.entrypoints.openai.api_server`` process over a model ``model.py`` built."""
 
     name: str
     model_dir: Path
