@@ -31,14 +31,12 @@ class Waiting:
 
 def drive(model: StepModel, budget: int, steps: int, seed: int = 1,
           decodes: int = 40, perfs: tuple[PerfModel, PerfModel] | None = None,
-          fixed: float = 0.05, per_token: float = 0.0005, intake: float = 0.0
+          fixed: float = 0.05, per_token: float = 0.0005
           ) -> list[tuple[float, float, tuple[float, float]]]:
     """Run the engine for ``steps`` steps at about two thirds of its capacity (prompts
     of 5-150% of a step's budget); returns (projected, measured, the fits' projections)
     per first token. ``perfs``: TTFT fits, the first given the step model's projection
-    as its feature and the second not, both learning from every first token.
-    ``intake``: how long after it is sent a prompt reaches the engine's scheduler (it
-    joins no step that starts sooner)."""
+    as its feature and the second not, both learning from every first token."""
     rng = random.Random(seed)
     now = 0.0
     waiting: list[Waiting] = []
@@ -49,8 +47,6 @@ def drive(model: StepModel, budget: int, steps: int, seed: int = 1,
         room = budget - decodes
         plan: list[tuple[Waiting, float]] = []
         for w in waiting:
-            if w.at + intake > now:
-                break  # not taken in yet, nor anything sent after it
             chunk = min(w.left, room)
             if chunk <= 0:
                 break
@@ -105,37 +101,6 @@ def test_the_model_finds_the_budget_and_projects_whole_steps(budget):
     errors = sorted((m - p) / m for p, m, _ in late)
     assert errors[len(errors) // 2] < 0.05
     assert model.summary()["budget_tokens"] == budget
-
-
-def test_a_prompt_the_engine_takes_in_late_teaches_the_step_that_computed_it():
-    """A real engine receives, tokenizes and schedules a request some time after it is
-    sent; here it joins only steps that start 0.1 s after, longer than a decode step
-    (0.07 s). The plan puts prompts into steps that did not compute them, and the step
-    length learned from it is wrong; the one learned from answered steps is right, and
-    it is what projects (measured before it existed: 0.55 s + 0.13 ms a token, for
-    0.05 s + 0.5 ms)."""
-    model = StepModel()
-    seen = drive(model, 2048, 600, decodes=40, intake=0.1)
-    summary = model.summary()
-    assert summary["learned_from"] == "answered" and model.from_answers
-    assert summary["budget_tokens"] == 2048
-    plan, answered = (model.lengths[k * len(BUDGETS) + BUDGETS.index(2048)] for k in (0, 1))
-    assert answered.per_token == pytest.approx(0.0005, rel=0.05)
-    assert answered.fixed == pytest.approx(0.05, rel=0.05)
-    assert plan.per_token < 0.0004  # what the plan alone teaches here
-    late = seen[len(seen) // 3:]
-    errors = sorted(abs(p - m) / m for p, m, _ in late)
-    assert errors[len(errors) // 2] < 0.3
-
-
-def test_where_the_plan_is_right_it_projects():
-    """On an engine that takes a prompt in at once (the simulator's), the answered steps
-    teach the same length, and the plan's candidates, never worse, project."""
-    model = StepModel()
-    drive(model, 2048, 600)
-    assert not model.from_answers and model.summary()["learned_from"] == "plan"
-    n = len(BUDGETS)
-    assert min(model.errors[:n]) <= min(model.errors[n:])
 
 
 def test_the_fit_takes_the_staircase_as_a_feature():

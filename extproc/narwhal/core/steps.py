@@ -26,17 +26,6 @@ What it does not know: the engine's token budget (``--max-num-batched-tokens``, 
 users set and vLLM's default varies by version and GPU). So it follows one model per
 budget in ``BUDGETS`` side by side and projects with the one whose projections have been
 closest to the first tokens measured (a running mean of each one's relative error).
-
-Nor whether its plan is the engine's. A real engine takes a request in (HTTP,
-tokenization) some time after it is sent, and on a CPU vLLM that is longer than a
-decode step: the plan then has a ~30 ms decode step compute an ~800-token prompt and
-the ~1 s step that did compute nothing, and a fit learned from the plan read 0-0.13 ms
-a token where a prompt token cost ~0.9 ms (README, "Against real vLLM"). So each budget
-also has a step length learned without the plan, from *answered* steps: a step whose
-end answered prompts that were all sent after the step before it began, with no older
-prompt still waiting, held their whole work and nothing else. Those candidates are
-judged by the same running error; where the plan is right (the simulator) they tie or
-trail and the plan's are used.
 Nothing here reads the engine's settings or the simulator's model: only the times at
 which Narwhal relayed tokens and the work it dispatched.
 """
@@ -65,7 +54,6 @@ class Prefill:
     planned: list[float]  # of which the step under way computes, per budget
     projected: list[float] = field(default_factory=list)  # TTFT per budget at dispatch
     alive: bool = True
-    work: float = 0.0  # uncached prompt tokens at dispatch
 
 
 class StepLength:
@@ -113,19 +101,13 @@ class StepModel:
     exchanges report tokens, the scheduler dispatches and first tokens."""
 
     __slots__ = ("queue", "lengths", "errors", "judged", "step_start", "step_decodes",
-                 "planned", "after", "last_token_at", "gap_s", "_ended", "_answered")
+                 "planned", "after", "last_token_at", "gap_s")
 
     def __init__(self) -> None:
         n = len(BUDGETS)
         self.queue: deque[Prefill] = deque()
-        # Candidates: each budget's step length learned from the plan, then each one's
-        # learned from answered steps (``_learn_answered``); index ``i % n`` is the budget.
-        self.lengths = [StepLength() for _ in range(2 * n)]
-        self.errors = [0.0] * (2 * n)  # running mean relative error of each candidate
-        # the last step that ended: (start of the one before it, start, end, decodes)
-        self._ended: tuple[float | None, float, float, int] | None = None
-        # what answered at its end: [their uncached work, 1.0 while nothing rules it out]
-        self._answered: list[float] | None = None
+        self.lengths = [StepLength() for _ in range(n)]
+        self.errors = [0.0] * n  # running mean relative error of each budget's projections
         self.judged = 0  # first tokens that judged them
         self.step_start: float | None = None
         self.step_decodes = 0
@@ -137,12 +119,7 @@ class StepModel:
     @property
     def budget(self) -> int:
         """The budget projections use: the one closest to the measurements so far."""
-        return BUDGETS[self._best() % len(BUDGETS)]
-
-    @property
-    def from_answers(self) -> bool:
-        """Whether projections use step lengths learned from answered steps."""
-        return self._best() >= len(BUDGETS)
+        return BUDGETS[self._best()]
 
     def _best(self) -> int:
         """The smallest budget whose running error is within ``NEAR`` of the least. Why
@@ -158,20 +135,16 @@ class StepModel:
         return next(i for i, err in enumerate(errs) if err <= bound)
 
     def summary(self) -> dict[str, object]:
-        """For /status: the budget projected with, its step-length fit and what that was
-        learned from (``plan`` or ``answered`` steps), and each candidate's running error
-        (what chose it)."""
+        """For /status: the budget projected with, its step-length fit, and each budget's
+        running error (what chose it)."""
         i = self._best()
-        n = len(BUDGETS)
         length = self.lengths[i]
-        names = [str(b) for b in BUDGETS] + [f"{b}/answered" for b in BUDGETS]
-        return {"budget_tokens": BUDGETS[i % n], "steps": len(length),
-                "learned_from": "answered" if i >= n else "plan",
+        return {"budget_tokens": BUDGETS[i], "steps": len(length),
                 "step_fixed_ms": round(length.fixed * 1000, 3),
                 "step_us_per_token": round(length.per_token * 1e6, 3),
                 "judged": self.judged, "following": sum(p.alive for p in self.queue),
-                "errors": {name: round(e, 4) for name, e in zip(names, self.errors,
-                                                                 strict=True)}}
+                "errors": {str(b): round(e, 4) for b, e in zip(BUDGETS, self.errors,
+                                                                strict=True)}}
 
     # -- what the engine shows -----------------------------------------------------------
     def token(self, now: float, decodes: int) -> bool:
@@ -189,13 +162,9 @@ class StepModel:
         return True
 
     def _step_ended(self, now: float) -> None:
-        self._learn_answered()
         start = self.step_start
         if start is None:
             return
-        before = self._ended[1] if self._ended is not None else None
-        self._ended = (before, start, now, self.step_decodes)
-        self._answered = None
         # Only steps that computed prompts teach step lengths: they are what a projection
         # adds up (decode-only steps, short and many, pulled a line through both below
         # the prefill steps it was used for: replayed, dispatch-to-first-token p90 25.3%
@@ -210,38 +179,6 @@ class StepModel:
                         p.left[i] -= done
                         p.planned[i] = 0.0
         self.step_start = None
-
-    def _answer(self, p: Prefill) -> None:
-        """``p`` answered at the end of the step that ended last: its work was computed
-        there, wholly if it was sent after the step before began."""
-        ended = self._ended
-        if ended is None:
-            return
-        answered = self._answered
-        if answered is None:
-            answered = self._answered = [0.0, 1.0]
-        answered[0] += p.work
-        before = ended[0]
-        if before is None or p.at <= before:
-            answered[1] = 0.0  # part of it may have been computed a step earlier
-
-    def _learn_answered(self) -> None:
-        """At the next step's end (when every first token of that step's end has come):
-        the step that ended last teaches the answered candidates its length against the
-        decodes and the answered work, if nothing older than it still waits (it could
-        have computed a chunk of that) and the work fits the budget."""
-        answered, ended = self._answered, self._ended
-        self._answered = None
-        if answered is None or ended is None or not answered[1]:
-            return
-        _, start, end, decodes = ended
-        if any(p.alive and p.at < start for p in self.queue):
-            return
-        tokens = decodes + answered[0]
-        n = len(BUDGETS)
-        for i, budget in enumerate(BUDGETS):
-            if tokens <= budget:
-                self.lengths[n + i].add(tokens, end - start)
 
     def _plan(self, now: float, decodes: int) -> None:
         """The step starting now: decodes first, then the oldest prompts' chunks."""
@@ -272,8 +209,8 @@ class StepModel:
         """A prompt of ``work`` uncached tokens sent to the engine: it joins the next step
         it fits in. Returns its handle (for ``first_token`` / ``dropped``)."""
         n = len(BUDGETS)
-        p = Prefill(now, [work] * n, [0.0] * n, work=work)
-        p.projected = [self.project(work, decodes, now, i) for i in range(2 * n)]
+        p = Prefill(now, [work] * n, [0.0] * n)
+        p.projected = [self.project(work, decodes, now, i) for i in range(n)]
         for i in range(n):
             self.after[i] += work
         queue = self.queue
@@ -300,8 +237,6 @@ class StepModel:
         queue = self.queue
         while queue:
             q = queue.popleft()
-            if q.alive:
-                self._answer(q)
             self.dropped(q)
             if q is p:
                 break
@@ -329,18 +264,18 @@ class StepModel:
         if len(self.lengths[i]) < MIN_STEPS:
             return None
         left = self._left(i, now)
-        return left, left + self._steps(i, self.after[i % len(BUDGETS)] + work, decodes)
+        return left, left + self._steps(i, self.after[i] + work, decodes)
 
     def _left(self, i: int, now: float) -> float:
         if self.step_start is None:
             return 0.0
-        length = self.lengths[i].seconds(self.step_decodes + self.planned[i % len(BUDGETS)])
+        length = self.lengths[i].seconds(self.step_decodes + self.planned[i])
         return max(0.0, self.step_start + length - now)
 
     def _steps(self, i: int, ahead: float, decodes: int) -> float:
-        """Whole steps of candidate ``i`` until ``ahead`` uncached tokens are computed."""
+        """Whole steps of budget ``i`` until ``ahead`` uncached tokens are computed."""
         length = self.lengths[i]
-        room = max(1.0, BUDGETS[i % len(BUDGETS)] - decodes)
+        room = max(1.0, BUDGETS[i] - decodes)
         full = int(ahead // room)
         rest = ahead - full * room
         total = full * length.seconds(decodes + room)
@@ -360,4 +295,4 @@ class StepModel:
             return 0.0
         if idle:
             return self._steps(i, work, decodes)
-        return self._left(i, now) + self._steps(i, self.after[i % len(BUDGETS)] + work, decodes)
+        return self._left(i, now) + self._steps(i, self.after[i] + work, decodes)
