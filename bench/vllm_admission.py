@@ -40,7 +40,7 @@ import aiohttp
 from integration.vllm.engine import SERVED_MODEL, VllmServer, built_model
 
 from bench import scratch
-from bench.scheduling import Result, StatusTrace, dump, profiled, stream, summarize
+from bench.scheduling import Result, StatusTrace, _fmt, dump, profiled, stream, summarize
 from narwhal.launch import Stack
 
 PATHS = ("narwhal", "direct")
@@ -119,12 +119,6 @@ def narwhal(engine: VllmServer, budget_ms: int) -> Stack:
 
 def start_engine(workdir: Path) -> VllmServer:
     return VllmServer("vllm-small", built_model(workdir / "model", "small"), workdir).spawn().wait()
-
-
-def _fmt(x: float | None, pct: bool = False) -> str:
-    if x is None or x != x:
-        return "-"
-    return f"{x:.1%}" if pct else f"{x * 1000:.0f}ms"
 
 
 def main() -> int:

@@ -108,10 +108,11 @@ def test_a_request_behind_a_backlog_over_the_budget_is_refused_with_its_overrun(
         assert retry >= 1 and abs(retry - max(1.0, overrun / 1000)) <= 0.5 + 1e-3
     for resp in admitted:
         assert resp.json()["usage"]["completion_tokens"] >= 1
-    counts = small_pair.stack_counts()
+    settled = small_pair.settled()["requests"]
+    counts = settled["terminal"]
     assert counts["completed"] - before["completed"] == len(admitted)
     assert counts["refused"] - before["refused"] == len(refused)
-    assert small_pair.settled()["requests"]["held"] == 0
+    assert settled["held"] == 0
     body, _ = refused[-1]
     with small_pair.routed() as c:
         again = c.post(CHAT, json=body)
