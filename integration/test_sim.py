@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import httpx
 import orjson
 import pytest
 
+from narwhal import cli
 from narwhal.launch import SimSpec, Stack
 
 from .conftest import wait_for
@@ -145,6 +147,31 @@ def test_a_held_engine_accepts_requests_and_runs_no_step_until_released(sim):
         assert httpx.post(f"{sim}/sim/hold", json={"hold": False}).json() == {"hold": False}
         resp = fut.result()
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_request_reaches_the_scheduler_after_its_intake():
+    """As in vLLM, a request is taken in (read, rendered, tokenized) before the scheduler
+    sees it: on a held engine it shows as waiting no sooner than its intake (a sleep never
+    returns early, so the bound cannot flake), and the flags refuse a negative intake."""
+    intake_s = 0.4 + 2000 * 1e-6  # --intake-ms 400, 1 us a token of a ~2,000-token prompt
+    stack = Stack(sims=[SimSpec("sim-intake", args=["--intake-ms", "400"])],
+                  model=MODEL).start_sims()
+    base = f"http://127.0.0.1:{stack.sims[0].port}"
+    try:
+        assert httpx.post(f"{base}/sim/hold", json={"hold": True}).status_code == 200
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sent = time.monotonic()
+            fut = pool.submit(httpx.post, f"{base}/v1/chat/completions", timeout=30, json={
+                "model": MODEL, "max_tokens": 2,
+                "messages": [{"role": "user", "content": "abcd" * 2000}]})
+            wait_for(lambda: _metric(base, "num_requests_waiting") == 1.0)
+            assert time.monotonic() - sent >= intake_s
+            httpx.post(f"{base}/sim/hold", json={"hold": False})
+            assert fut.result().status_code == 200
+    finally:
+        stack.stop()
+    for flag in ("--intake-ms", "--intake-us-per-token"):
+        assert cli.main(["sim", flag, "-1"]) == 2
 
 
 def test_usage_reports_the_prompts_cache_hit_with_vllms_flag():

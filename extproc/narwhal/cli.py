@@ -38,6 +38,10 @@ def _batch_scheduler(args: argparse.Namespace) -> BatchScheduler:
             raise ConfigError(f"{name} must not be negative")
     if args.time_scale <= 0:
         raise ConfigError("--time-scale must be positive")
+    for name, value in (("--intake-ms", args.intake_ms),
+                        ("--intake-us-per-token", args.intake_us_per_token)):
+        if not 0 <= value < 1e6:
+            raise ConfigError(f"{name} must be in [0, 1e6)")
     if blocks * BLOCK_SIZE < args.max_model_len:
         raise ConfigError(f"--num-gpu-blocks {blocks} x {BLOCK_SIZE} tokens cannot hold "
                           f"one --max-model-len {args.max_model_len} sequence (vLLM refuses "
@@ -99,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     p_sim.add_argument("--time-scale", type=float, default=1.0,
                        help="multiply every step's duration (run a GPU profile slower on "
                             "a small machine)")
+    p_sim.add_argument("--intake-ms", type=float, default=2.0,
+                       help="milliseconds from a request's arrival to the scheduler, as vLLM's "
+                            "API server takes (2.0, measured; scaled by --time-scale)")
+    p_sim.add_argument("--intake-us-per-token", type=float, default=1.0,
+                       help="intake microseconds per prompt token (tokenization; 1.0)")
     p_sim.add_argument("--slow-start-ms", type=float, default=1500.0,
                        help="first-token delay added by x-sim-fault: slow-start")
     p_sim.add_argument("--reasoning", choices=["none", "reasoning", "reasoning_content", "both"],
@@ -133,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ok: model {cfg.serving.model}, {len(cfg.engines)} engine(s)")
         elif args.command == "sim":
             from .sim.generate import SimOptions
+            from .sim.server import Intake
             from .sim.server import run as run_sim
 
             run_sim(args.host, args.port,
@@ -141,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                                natural_output=args.natural_output,
                                engine_name=args.engine_name, fault=args.fault,
                                prompt_tokens_details=args.enable_prompt_tokens_details),
-                    _batch_scheduler(args), args.slow_start_ms, args.time_scale)
+                    _batch_scheduler(args), args.slow_start_ms, args.time_scale,
+                    Intake(args.intake_ms, args.intake_us_per_token))
         elif args.command == "envoy-config":
             from .launch import ENVOY_CONFIG
 
