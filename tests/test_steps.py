@@ -31,12 +31,13 @@ class Waiting:
 
 def drive(model: StepModel, budget: int, steps: int, seed: int = 1,
           decodes: int = 40, perfs: tuple[PerfModel, PerfModel] | None = None,
-          fixed: float = 0.05, per_token: float = 0.0005
+          fixed: float = 0.05, per_token: float = 0.0005, intake: float = 0.0
           ) -> list[tuple[float, float, tuple[float, float]]]:
     """Run the engine for ``steps`` steps at about two thirds of its capacity (prompts
     of 5-150% of a step's budget); returns (projected, measured, the fits' projections)
     per first token. ``perfs``: TTFT fits, the first given the step model's projection
-    as its feature and the second not, both learning from every first token."""
+    as its feature and the second not, both learning from every first token. ``intake``:
+    a prompt is taken in (and can join a step) that long after it is sent."""
     rng = random.Random(seed)
     now = 0.0
     waiting: list[Waiting] = []
@@ -48,7 +49,7 @@ def drive(model: StepModel, budget: int, steps: int, seed: int = 1,
         plan: list[tuple[Waiting, float]] = []
         for w in waiting:
             chunk = min(w.left, room)
-            if chunk <= 0:
+            if chunk <= 0 or w.at + intake > now:
                 break
             plan.append((w, chunk))
             room -= chunk
@@ -101,6 +102,81 @@ def test_the_model_finds_the_budget_and_projects_whole_steps(budget):
     errors = sorted((m - p) / m for p, m, _ in late)
     assert errors[len(errors) // 2] < 0.05
     assert model.summary()["budget_tokens"] == budget
+    assert model.intake == 0.0  # every prompt joined the first step after its dispatch
+
+
+@pytest.mark.parametrize("intake", [0.03, 0.1, 0.3])
+def test_the_model_learns_the_engines_intake_and_plans_prompts_after_it(intake):
+    """An engine that takes a prompt in ``intake`` after it is sent (an API server's
+    reading and tokenizing, longer than some of its steps): planned into the first step
+    after its dispatch, prompts taught a 10 ms + 0.5 ms a token engine as ~0.49 s + 0
+    (and the wrong budget); learned from the steps that did or did not take clean
+    prompts in, the intake is found and the fit is the engine's again."""
+    model = StepModel()
+    seen = drive(model, 2048, 1500, fixed=0.01, intake=intake)
+    assert intake * 0.95 <= model.intake <= intake * 1.05
+    assert model.budget == 2048
+    length = model.lengths[BUDGETS.index(2048)]
+    assert length.per_token == pytest.approx(0.0005, rel=0.3)
+    late = seen[len(seen) // 3:]
+    errors = sorted(abs(p - m) / m for p, m, _ in late)
+    assert errors[len(errors) // 2] < 0.3
+    assert model.summary()["intake_ms"] == pytest.approx(model.intake * 1000, abs=1e-3)
+
+
+def capped(model: StepModel, cap: int, steps: int, scrape: bool, seed: int = 3,
+           fixed: float = 0.02, per_token: float = 0.001) -> None:
+    """An engine that runs at most ``cap`` sequences (vLLM's --max-num-seqs), kept full:
+    a prompt (20-400 tokens, computed in one step) waits in its queue for a sequence to
+    finish (outputs of 10-40 tokens). At each step's end every running sequence's token
+    reaches the model, those that finished leave, then the first tokens; ``scrape``: its
+    waiting gauge is read every step."""
+    rng = random.Random(seed)
+    now = 0.0
+    running: list[int] = []  # output tokens left of each decoding sequence
+    waiting: list[tuple[object, float]] = []  # (handle, work)
+    for _ in range(steps):
+        seated = []
+        while waiting and len(running) + len(seated) < cap:
+            seated.append(waiting.pop(0))
+        seconds = fixed + per_token * (len(running) + sum(w for _, w in seated))
+        for _ in range(rng.choice((0, 1, 1, 2))):  # arrivals during the step
+            work = float(rng.randint(20, 400))
+            waiting.append((model.dispatched(work, now + rng.random() * seconds,
+                                             len(running)), work))
+        now += seconds
+        decodes = len(running)
+        for k in range(len(running)):
+            model.token(now, decodes)
+            running[k] -= 1
+            if running[k] == 0:
+                decodes -= 1  # its stream ends with this token
+        running = [left for left in running if left > 0]
+        for handle, _ in seated:
+            model.token(now, decodes + 1)
+            model.first_token(handle, now)  # type: ignore[arg-type]
+            decodes += 1
+            running.append(rng.randint(10, 40))
+        if scrape:
+            model.engine_counts(len(running), len(waiting))
+
+
+def test_an_engine_at_its_sequence_cap_is_planned_a_prompt_only_as_a_seat_frees():
+    """A full engine leaves a prompt first in line out of its steps until a sequence
+    finishes; the model learns the cap from the steps that did and did not take such a
+    prompt in, and while the engine says it holds requests waiting, plans no more. The
+    step lengths learned are then the engine's: planned into the next step regardless,
+    prompts that waited for a seat taught decode steps as having computed them."""
+    told, blind = StepModel(), StepModel()
+    capped(told, 12, 3000, scrape=True)
+    capped(blind, 12, 3000, scrape=False)
+    assert told.cap == blind.cap == 12  # learned either way; used only when told full
+    assert told.saturated and not blind.saturated
+    lengths = {id(m): m.lengths[BUDGETS.index(m.budget)] for m in (told, blind)}
+    assert lengths[id(told)].per_token == pytest.approx(0.001, rel=0.2)
+    assert abs(lengths[id(blind)].per_token - 0.001) > 0.3 * 0.001
+    assert told.summary()["sequence_cap"] == 12
+
 
 
 def test_the_fit_takes_the_staircase_as_a_feature():

@@ -22,6 +22,21 @@ tokens it was planned to hold (least squares over recent such steps: a fixed cos
 cost per token). Its projection is short only by what arrives later and shares the
 prompt's last step, so ``PerfModel.ttft_s`` never projects less once it has been judged.
 
+Nor when a request reaches the engine's scheduler. An engine takes a request in (reads
+it, renders and tokenizes the prompt) before its scheduler sees it, and the scheduler
+takes new requests only between steps; and the router sees a step start only when that
+step's predecessor's tokens reach it. So a prompt sent late in a step joins the step
+after next, not the next one (the intake and that lag together: ``intake``). Planned a
+step early, it teaches a short decode step as having computed it and the long step that
+did as having computed nothing; on vLLM's CPU build, whose intake is longer than a
+decode step, the step lengths learned read 0-0.13 ms a token where a prompt token cost
+~0.9 ms (README, "Against real vLLM"). The intake is learned from outside too: each
+prompt that was alone and small enough to be computed in the first step that started
+after its dispatch either was (its first token ended that step: the intake was no longer
+than the gap from its dispatch to that step's start) or was not (it was longer); the
+intake is the gap that best separates the two over recent prompts (``_learn_intake``).
+Prompts join the plan only once that long after their dispatch.
+
 What it does not know: the engine's token budget (``--max-num-batched-tokens``, which
 users set and vLLM's default varies by version and GPU). So it follows one model per
 budget in ``BUDGETS`` side by side and projects with the one whose projections have been
@@ -43,6 +58,11 @@ MIN_GAP_S = 0.002  # tokens closer than this belong to one step (see ``token``)
 ERROR_EWMA = 0.05  # how fast a budget's running error follows new first tokens
 NEAR = 0.1  # a budget within this share of the least error counts as as good (``_best``)
 MAX_QUEUE = 4096  # prompts followed per engine (more: the oldest are forgotten)
+INTAKE_WINDOW = 64  # prompts whose intake evidence is kept (``_learn_intake``)
+INTAKE_MIN = 8  # evidence before an intake is used (until then: none)
+SEAT_WINDOW = 128  # steps' evidence of the engine's sequence cap (``_learn_cap``)
+CAP_EVIDENCE = 4  # prompts left out at or above a count before it is a cap
+MAX_JOIN_STEPS = 16  # steps a projection walks until a prompt sent now is taken in
 
 
 @dataclass(eq=False, slots=True)
@@ -54,6 +74,13 @@ class Prefill:
     planned: list[float]  # of which the step under way computes, per budget
     projected: list[float] = field(default_factory=list)  # TTFT per budget at dispatch
     alive: bool = True
+    work: float = 0.0  # uncached prompt tokens at dispatch
+    next_start: float | None = None  # the first step that started after its dispatch
+    clean: bool = False  # alone then, and small enough for that step: intake evidence
+    # the first step that found it first in line, in the engine and small (seat evidence):
+    # that step's start and the sequences decoding then
+    head_start: float | None = None
+    head_decodes: int = 0
 
 
 class StepLength:
@@ -101,7 +128,9 @@ class StepModel:
     exchanges report tokens, the scheduler dispatches and first tokens."""
 
     __slots__ = ("queue", "lengths", "errors", "judged", "step_start", "step_decodes",
-                 "planned", "after", "last_token_at", "gap_s")
+                 "planned", "after", "last_token_at", "gap_s", "intake", "cap", "saturated", "_seats",
+                 "_ended_decodes", "_head", "_held", "_ended_start",
+                 "_ended_before", "_bounds")
 
     def __init__(self) -> None:
         n = len(BUDGETS)
@@ -115,6 +144,20 @@ class StepModel:
         self.after = [0.0] * n  # uncached work left after the step under way, per budget
         self.last_token_at: float | None = None
         self.gap_s = MIN_GAP_S
+        self.intake = 0.0  # seconds from a dispatch to the first step that can take it
+        # The sequences the engine runs at once, where it has shown a limit (``_learn_cap``;
+        # 0: none), and whether it holds requests waiting (``engine_counts``): then the
+        # plan seats no more than that.
+        self.cap = 0
+        self.saturated = False
+        self._seats: deque[tuple[int, bool]] = deque(maxlen=SEAT_WINDOW)  # (decodes, left out)
+        self._ended_decodes = 0  # the sequences decoding in the step that ended last
+        self._head: Prefill | None = None  # the step under way's, for ``_learn_cap``
+        self._held = False  # the step under way's plan held a prompt out for a seat
+        self._ended_start: float | None = None  # the start of the step that ended last
+        self._ended_before: float | None = None  # and of the step before it
+        # clean prompts' intakes were within these (seconds after dispatch)
+        self._bounds: deque[tuple[float, float]] = deque(maxlen=INTAKE_WINDOW)
 
     @property
     def budget(self) -> int:
@@ -143,6 +186,8 @@ class StepModel:
                 "step_fixed_ms": round(length.fixed * 1000, 3),
                 "step_us_per_token": round(length.per_token * 1e6, 3),
                 "judged": self.judged, "following": sum(p.alive for p in self.queue),
+                "intake_ms": round(self.intake * 1000, 3), "intake_samples": len(self._bounds),
+                "sequence_cap": self.cap, "saturated": self.saturated,
                 "errors": {str(b): round(e, 4) for b, e in zip(BUDGETS, self.errors,
                                                                 strict=True)}}
 
@@ -156,7 +201,20 @@ class StepModel:
         last = self.last_token_at
         self.last_token_at = now
         if last is not None and now - last <= self.gap_s:
-            return False  # the same step's tokens
+            # The same step's tokens. The count of sequences that decode in the next step
+            # is the one after all of them (sequences that finished with this step end
+            # with its tokens, the ones that started decoding too): the plan, made at its
+            # first, is made again if a seat came free and a prompt was held out for one.
+            start = self.step_start
+            if decodes != self.step_decodes and start is not None:
+                freed = decodes < self.step_decodes
+                self.step_decodes = decodes
+                head = self._head
+                if head is not None and head.head_start == start:
+                    head.head_decodes = decodes
+                if freed and self._held:
+                    self._plan(start, decodes)
+            return False
         self._step_ended(now)
         self._plan(now, decodes)
         return True
@@ -165,6 +223,9 @@ class StepModel:
         start = self.step_start
         if start is None:
             return
+        self._ended_before = self._ended_start
+        self._ended_start = start
+        self._ended_decodes = self.step_decodes
         # Only steps that computed prompts teach step lengths: they are what a projection
         # adds up (decode-only steps, short and many, pulled a line through both below
         # the prefill steps it was used for: replayed, dispatch-to-first-token p90 25.3%
@@ -189,12 +250,33 @@ class StepModel:
         room = [max(0.0, b - decodes) for b in BUDGETS]
         planned = [0.0] * n
         after = [0.0] * n
+        older = False  # an older prompt is still waiting
+        # sequences it may still run: a limit only while it holds requests waiting
+        seats = self.cap - decodes if self.cap and self.saturated else 1 << 30
+        head: Prefill | None = None  # first in line, in the engine and small
+        held = False  # a prompt in the engine had no seat
+        intake = self.intake
+        taken_in = now - intake  # prompts sent since are not in the engine yet
         for p in queue:
             if not p.alive:
                 continue
+            small = decodes + 2 * p.work <= BUDGETS[0]
+            if p.next_start is None and p.at < now:
+                p.next_start = now
+                p.clean = not older and small
+            in_engine = not intake or p.at <= taken_in  # (no intake: every queued one is)
+            if not older and in_engine and small and p.head_start in (None, now):
+                p.head_start, p.head_decodes = now, decodes
+                head = p
+            older = True
+            joined = in_engine and seats > 0
+            if joined:
+                seats -= 1
+            elif in_engine:
+                held = True
             for i in range(n):
                 left = p.left[i]
-                chunk = min(left, room[i]) if left > 0 else 0.0
+                chunk = min(left, room[i]) if left > 0 and joined else 0.0
                 p.planned[i] = chunk
                 room[i] -= chunk
                 planned[i] += chunk
@@ -203,13 +285,68 @@ class StepModel:
         self.after = after
         self.step_start = now
         self.step_decodes = decodes
+        self._head = head
+        self._held = held
+
+    def _learn_cap(self, p: Prefill) -> None:
+        """``p`` answered at the end of the step that ended last. If a step found it first
+        in line, in the engine and small, that step either took it in (answered at its
+        end) with so many sequences decoding, or left it out: an engine that leaves such
+        a prompt out runs all the sequences it can. The cap is the decode count from
+        which the steps left them out: the threshold with the fewest on its wrong side,
+        if at least ``CAP_EVIDENCE`` were left out at or above it (else none: an engine
+        below its limit leaves a prompt out only by chance, its intake's spread).
+
+        Why: an engine runs at most so many sequences at once (vLLM's ``--max-num-seqs``,
+        256 by default on a GPU, 8 in this project's CPU tests), and a prompt sent while
+        it runs that many waits in its queue until one finishes, not for the next step.
+        Planned into the next step anyway, such prompts taught real vLLM's step lengths
+        wrong (a recording of one through Narwhal at its capacity, replayed: 51 ms +
+        0.08 ms a token, running error 0.65; given its cap, 0 ms + 0.70 ms, 0.23). Why
+        not the most sequences it has shown running, tried: where it waits for token
+        budget, not seats, that is no limit (the scheduling benchmark's l4, capped at its
+        32 running early in a ramp, was planned short of prompts, its step model's
+        error went to 0.87 and it was starved; 98.8% in budget); nor the most tokens one
+        step ended with: through Envoy two steps' tokens sometimes come closer together
+        than a step, and that read 16 for a cap of 8."""
+        first = p.head_start
+        answered_by = self._ended_start
+        if first is None or answered_by is None or answered_by < first:
+            return
+        seen = self._seats
+        seen.append((p.head_decodes, answered_by > first))
+        if answered_by > first:  # and the step that answered it took it in
+            seen.append((self._ended_decodes, False))
+        rows = sorted(seen)
+        cap = 0
+        if sum(out for _, out in rows) >= CAP_EVIDENCE:
+            # a threshold at the least count: every one predicted left out
+            wrong = best = sum(not out for _, out in rows)
+            cap = rows[0][0]
+            k = 0
+            while k < len(rows):  # past each distinct count in turn
+                d = rows[k][0]
+                while k < len(rows) and rows[k][0] == d:
+                    wrong += 1 if rows[k][1] else -1
+                    k += 1
+                if wrong <= best:  # ties: the larger threshold, the lesser limit
+                    best, cap = wrong, rows[k][0] if k < len(rows) else 0
+            if cap and sum(out for d, out in rows if d >= cap) < CAP_EVIDENCE:
+                cap = 0
+        self.cap = cap
+
+    def engine_counts(self, running: float, waiting: float) -> None:
+        """The engine's own gauges, scraped: whether it holds requests waiting. The cap
+        (``_learn_cap``) limits the plan only then, so that a cap learned from a few
+        chance misses cannot hold prompts out of an engine that is not full."""
+        self.saturated = waiting > 0
 
     # -- what Narwhal does ---------------------------------------------------------------
     def dispatched(self, work: float, now: float, decodes: int) -> Prefill:
         """A prompt of ``work`` uncached tokens sent to the engine: it joins the next step
         it fits in. Returns its handle (for ``first_token`` / ``dropped``)."""
         n = len(BUDGETS)
-        p = Prefill(now, [work] * n, [0.0] * n)
+        p = Prefill(now, [work] * n, [0.0] * n, work=work)
         p.projected = [self.project(work, decodes, now, i) for i in range(n)]
         for i in range(n):
             self.after[i] += work
@@ -225,6 +362,8 @@ class StepModel:
         in arrival order). Judges each budget's projection for it."""
         if not p.alive:
             return
+        self._learn_intake(p)
+        self._learn_cap(p)
         measured = now - p.at
         if measured > 0 and p.projected:
             self.judged += 1
@@ -240,6 +379,41 @@ class StepModel:
             self.dropped(q)
             if q is p:
                 break
+
+    def _learn_intake(self, p: Prefill) -> None:
+        """``p`` answered at the end of the step that ended last. If it was clean (nothing
+        older waiting and small when the first step after its dispatch started), the step
+        that computed it was the first to start once it was in: its intake was longer
+        than the gap from its dispatch to the start of the step before that one (if that
+        one started after the dispatch; else no shorter than nothing) and no longer than
+        the gap to the answering step's start. The intake is the least that the most
+        recent prompts' bounds allow: the smallest value with the fewest prompts whose
+        bounds exclude it (one held back by something else, a full engine, is outvoted).
+        Why the least: with no intake it is 0 exactly, and the plan is what it was. Why
+        not the least upper bound (tried, README): with no intake that is the least of a
+        few dozen uniform draws over a step, a thirtieth of a step too much, and a plan
+        a step late for prompts sent that close to a step's start spoiled the fit as
+        much as one a step early."""
+        answered_by, before = self._ended_start, self._ended_before
+        at = p.at
+        if (not p.clean or p.next_start is None or answered_by is None
+                or answered_by < p.next_start):
+            return  # not clean, or sent to an idle engine (no step boundary before it)
+        low = before - at if before is not None and before > at else 0.0
+        self._bounds.append((low, answered_by - at))
+        if len(self._bounds) < INTAKE_MIN:
+            return
+        bounds = self._bounds
+        best, at_least = len(bounds) + 1, 0.0
+        for c in sorted({b for pair in bounds for b in pair}):
+            wrong = sum(1 for lo, hi in bounds if lo > c or hi < c)
+            if wrong < best:
+                best, at_least = wrong, c
+        if at_least <= 0:
+            self.intake = 0.0
+            return
+        at_most = min(hi for lo, hi in bounds if lo <= at_least <= hi)
+        self.intake = (at_least + at_most) / 2
 
     def dropped(self, p: Prefill) -> None:
         """``p`` leaves without the engine computing more of it (answered, cancelled,
@@ -263,14 +437,28 @@ class StepModel:
         i = self._best()
         if len(self.lengths[i]) < MIN_STEPS:
             return None
-        left = self._left(i, now)
-        return left, left + self._steps(i, self.after[i] + work, decodes)
+        wait, ahead = self._join(i, now, decodes)
+        return wait, wait + self._steps(i, ahead + work, decodes)
 
-    def _left(self, i: int, now: float) -> float:
-        if self.step_start is None:
-            return 0.0
-        length = self.lengths[i].seconds(self.step_decodes + self.planned[i])
-        return max(0.0, self.step_start + length - now)
+    def _join(self, i: int, now: float, decodes: int) -> tuple[float, float]:
+        """Seconds from now to the start of the step that takes in a prompt sent now, and
+        the uncached work still ahead of it then: the rest of the step under way, then the
+        steps that start before the prompt is in (the intake), each computing what it
+        has room for of the work ahead."""
+        ahead = self.after[i]
+        arrive = now + self.intake
+        start = self.step_start
+        if start is None:
+            return self.intake, ahead
+        length = self.lengths[i]
+        t = max(now, start + length.seconds(self.step_decodes + self.planned[i]))
+        room = max(1.0, BUDGETS[i] - decodes)
+        for _ in range(MAX_JOIN_STEPS):
+            if t >= arrive or (ahead <= 0 and decodes <= 0):
+                break
+            t += length.seconds(decodes + min(ahead, room))
+            ahead = max(0.0, ahead - room)
+        return max(t, arrive) - now, ahead
 
     def _steps(self, i: int, ahead: float, decodes: int) -> float:
         """Whole steps of budget ``i`` until ``ahead`` uncached tokens are computed."""
@@ -294,5 +482,6 @@ class StepModel:
         if len(self.lengths[i]) < MIN_STEPS:
             return 0.0
         if idle:
-            return self._steps(i, work, decodes)
-        return self._left(i, now) + self._steps(i, self.after[i] + work, decodes)
+            return self.intake + self._steps(i, work, decodes)
+        wait, ahead = self._join(i, now, decodes)
+        return wait + self._steps(i, ahead + work, decodes)
