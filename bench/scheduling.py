@@ -165,7 +165,10 @@ async def stream(session: aiohttp.ClientSession, url: str,
                  body: dict) -> tuple[Result, list[str]]:
     """One streaming request as a client sees it: status, Narwhal's prediction headers,
     the first token's and each later token's arrival, the engine's usage; and the reply's
-    text (``end`` is set only when the stream completed)."""
+    text (``end`` is set only when the stream completed). A reply whose tokens decode to
+    no text (vLLM sends no event for them; a random-weight model's special tokens) has
+    its first token timed at its finishing event: the first the client sees of it, later
+    than the token, so never in budget by mistake."""
     start = time.monotonic()
     result = Result(0, start)
     reply: list[str] = []
@@ -198,6 +201,8 @@ async def stream(session: aiohttp.ClientSession, url: str,
                     result.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                 for choice in event.get("choices") or ():
                     piece = (choice.get("delta") or {}).get("content")
+                    if not piece and choice.get("finish_reason") and first is None:
+                        result.ttft_s = time.monotonic() - start
                     if piece:
                         last = time.monotonic()
                         if first is None:  # kept if the client gives up during decode
