@@ -22,20 +22,23 @@ tokens it was planned to hold (least squares over recent such steps: a fixed cos
 cost per token). Its projection is short only by what arrives later and shares the
 prompt's last step, so ``PerfModel.ttft_s`` never projects less once it has been judged.
 
-Nor when a request reaches the engine's scheduler. An engine takes a request in (reads
-it, renders and tokenizes the prompt) before its scheduler sees it, and the scheduler
-takes new requests only between steps; and the router sees a step start only when that
-step's predecessor's tokens reach it. So a prompt sent late in a step joins the step
-after next, not the next one (the intake and that lag together: ``intake``). Planned a
-step early, it teaches a short decode step as having computed it and the long step that
-did as having computed nothing; on vLLM's CPU build, whose intake is longer than a
-decode step, the step lengths learned read 0-0.13 ms a token where a prompt token cost
-~0.9 ms (README, "Against real vLLM"). The intake is learned from outside too: each
-prompt that was alone and small enough to be computed in the first step that started
-after its dispatch either was (its first token ended that step: the intake was no longer
-than the gap from its dispatch to that step's start) or was not (it was longer); the
-intake is the gap that best separates the two over recent prompts (``_learn_intake``).
-Prompts join the plan only once that long after their dispatch.
+Nor when the engine takes a prompt in. An engine reads and tokenizes a request before
+its scheduler sees it, and its scheduler takes new requests only between steps, while
+the router sees a step start only when that step's predecessor's tokens reach it: a
+prompt sent late in a step joins the step after next (the intake and that lag
+together: ``intake``). And an engine runs at most so many sequences at once (vLLM's
+``--max-num-seqs``): a prompt sent to a full engine waits in its queue until a sequence
+finishes, however many steps that takes. Planned into a step that did not compute it,
+a prompt teaches that step as having computed it and the one that did as having
+computed nothing: on real vLLM, at its 8-sequence cap most of the time, the step
+lengths learned read 0-0.13 ms a token where a prompt token cost ~0.9 ms (README,
+"Against real vLLM"). So both are learned from outside: a prompt that was alone and
+small was computed in the first step that took it in, so its intake lies between the
+gaps from its dispatch to the starts of that step and of the one before it
+(``_learn_intake``); the cap from the steps that did and did not take in the prompt
+first in line, by the decode count they ran with (``_learn_cap``), limiting the plan
+while the engine says it holds requests waiting (``engine_counts``). A prompt joins the
+plan only once it is in and has a seat.
 
 What it does not know: the engine's token budget (``--max-num-batched-tokens``, which
 users set and vLLM's default varies by version and GPU). So it follows one model per
@@ -47,6 +50,7 @@ which Narwhal relayed tokens and the work it dispatched.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -60,6 +64,7 @@ NEAR = 0.1  # a budget within this share of the least error counts as as good (`
 MAX_QUEUE = 4096  # prompts followed per engine (more: the oldest are forgotten)
 INTAKE_WINDOW = 64  # prompts whose intake evidence is kept (``_learn_intake``)
 INTAKE_MIN = 8  # evidence before an intake is used (until then: none)
+INTAKE_EVERY = 4  # new evidence between recomputations of the intake and the cap
 SEAT_WINDOW = 128  # steps' evidence of the engine's sequence cap (``_learn_cap``)
 CAP_EVIDENCE = 4  # prompts left out at or above a count before it is a cap
 MAX_JOIN_STEPS = 16  # steps a projection walks until a prompt sent now is taken in
@@ -130,7 +135,7 @@ class StepModel:
     __slots__ = ("queue", "lengths", "errors", "judged", "step_start", "step_decodes",
                  "planned", "after", "last_token_at", "gap_s", "intake", "cap", "saturated", "_seats",
                  "_ended_decodes", "_head", "_held", "_ended_start",
-                 "_ended_before", "_bounds")
+                 "_ended_before", "_bounds", "_intake_new", "_cap_new")
 
     def __init__(self) -> None:
         n = len(BUDGETS)
@@ -158,6 +163,7 @@ class StepModel:
         self._ended_before: float | None = None  # and of the step before it
         # clean prompts' intakes were within these (seconds after dispatch)
         self._bounds: deque[tuple[float, float]] = deque(maxlen=INTAKE_WINDOW)
+        self._intake_new = self._cap_new = 0  # evidence since each was last computed
 
     @property
     def budget(self) -> int:
@@ -317,6 +323,10 @@ class StepModel:
         seen.append((p.head_decodes, answered_by > first))
         if answered_by > first:  # and the step that answered it took it in
             seen.append((self._ended_decodes, False))
+        self._cap_new += 1
+        if self._cap_new < INTAKE_EVERY:
+            return
+        self._cap_new = 0
         rows = sorted(seen)
         cap = 0
         if sum(out for _, out in rows) >= CAP_EVIDENCE:
@@ -386,27 +396,35 @@ class StepModel:
         that computed it was the first to start once it was in: its intake was longer
         than the gap from its dispatch to the start of the step before that one (if that
         one started after the dispatch; else no shorter than nothing) and no longer than
-        the gap to the answering step's start. The intake is the least that the most
-        recent prompts' bounds allow: the smallest value with the fewest prompts whose
-        bounds exclude it (one held back by something else, a full engine, is outvoted).
-        Why the least: with no intake it is 0 exactly, and the plan is what it was. Why
-        not the least upper bound (tried, README): with no intake that is the least of a
-        few dozen uniform draws over a step, a thirtieth of a step too much, and a plan
-        a step late for prompts sent that close to a step's start spoiled the fit as
-        much as one a step early."""
+        the gap to the answering step's start. Over the most recent prompts, the least
+        value with the fewest prompts whose bounds exclude it (one held back by something
+        else, a full engine, is outvoted) is where the intake may start, and the least
+        upper bound of the prompts that allow it is where it must end: the intake is
+        halfway. Where no prompt ever missed its step the least value is 0 and so is the
+        intake: the plan is then what it was. Why not the least upper bound alone (tried,
+        README): with no intake that is the least of a few dozen uniform draws over a
+        step, a thirtieth of a step too much, and a plan a step late for prompts sent
+        that close to a step's start spoiled the fit as much as one a step early.
+        Recomputed every ``INTAKE_EVERY`` prompts (sorts and bisections: per first token
+        it would cost a light-load request tens of microseconds)."""
         answered_by, before = self._ended_start, self._ended_before
         at = p.at
         if (not p.clean or p.next_start is None or answered_by is None
                 or answered_by < p.next_start):
             return  # not clean, or sent to an idle engine (no step boundary before it)
         low = before - at if before is not None and before > at else 0.0
-        self._bounds.append((low, answered_by - at))
-        if len(self._bounds) < INTAKE_MIN:
-            return
         bounds = self._bounds
-        best, at_least = len(bounds) + 1, 0.0
-        for c in sorted({b for pair in bounds for b in pair}):
-            wrong = sum(1 for lo, hi in bounds if lo > c or hi < c)
+        bounds.append((low, answered_by - at))
+        self._intake_new += 1
+        if len(bounds) < INTAKE_MIN or self._intake_new < INTAKE_EVERY:
+            return
+        self._intake_new = 0
+        lows = sorted(lo for lo, _ in bounds)
+        highs = sorted(hi for _, hi in bounds)
+        n = len(lows)
+        best, at_least = n + 1, 0.0
+        for c in sorted(set(lows) | set(highs)):  # excluded: a low above c, a high below
+            wrong = n - bisect_right(lows, c) + bisect_left(highs, c)
             if wrong < best:
                 best, at_least = wrong, c
         if at_least <= 0:
