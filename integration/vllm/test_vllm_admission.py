@@ -11,7 +11,10 @@ of several budgets, held by the engine itself.
 
 from __future__ import annotations
 
+import itertools
 import re
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -118,3 +121,43 @@ def test_a_request_behind_a_backlog_over_the_budget_is_refused_with_its_overrun(
         again = c.post(CHAT, json=body)
     assert again.status_code == 200, again.text
     assert int(again.headers["x-narwhal-predicted-ttft-ms"]) <= SMALL_BUDGET_MS
+
+
+CLIENTS = 12  # more than vLLM's 8 sequences (``--max-num-seqs 8``) and Narwhal's 4 slots
+
+
+def test_the_engines_sequence_cap_is_learned_from_outside(small_pair):
+    """vLLM runs at most 8 sequences here; a prompt sent while it runs 8 waits in its
+    queue for one to finish, not for the next step. Twelve clients in a closed loop keep
+    it full; Narwhal's step model learns the cap from the steps that did and did not take
+    in the prompt first in line, by how many sequences decoded then (nothing reads vLLM's
+    settings), and sees the engine's own gauge say it holds requests waiting. Its intake,
+    learned beside it, is vLLM's few milliseconds, not a step."""
+    done = threading.Event()
+    sent = itertools.count(1)
+
+    def client(k: int) -> None:
+        words = " ".join(f"narwhal{(k * 31 + j) % 97} tusk" for j in range(60))
+        with small_pair.routed() as c:
+            while not done.is_set() and (n := next(sent)) <= 1500:
+                body = {"model": SERVED_MODEL, "max_tokens": 24,
+                        "messages": [{"role": "user", "content": f"{n}: {words}"}]}
+                assert c.post(CHAT, json=body).status_code in (200, 429)
+
+    seen_full = False
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        futures = [pool.submit(client, k) for k in range(CLIENTS)]
+        try:
+            while True:
+                steps = small_pair.engine_status()["step_model"]
+                seen_full = seen_full or steps["saturated"]
+                if steps["sequence_cap"] == 8 and seen_full:
+                    break
+                assert not any(f.done() for f in futures), steps  # all sent, or one failed
+                time.sleep(0.2)
+        finally:
+            done.set()
+        for f in futures:
+            f.result()
+    assert 0 <= steps["intake_ms"] < 100, steps
+    assert small_pair.settled()["requests"]["held"] == 0
