@@ -158,7 +158,7 @@ def capped(model: StepModel, cap: int, steps: int, scrape: bool, seed: int = 3,
             decodes += 1
             running.append(rng.randint(10, 40))
         if scrape:
-            model.engine_counts(len(running), len(waiting))
+            model.engine_waiting(len(waiting))
 
 
 def test_an_engine_at_its_sequence_cap_is_planned_a_prompt_only_as_a_seat_frees():

@@ -14,13 +14,13 @@ from __future__ import annotations
 import itertools
 import re
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
+from ..conftest import wait_for
 from .conftest import SMALL_BUDGET_MS
 from .engine import SERVED_MODEL
 from .test_vllm_requests import CHAT, MSGS
@@ -144,17 +144,18 @@ def test_the_engines_sequence_cap_is_learned_from_outside(small_pair):
                         "messages": [{"role": "user", "content": f"{n}: {words}"}]}
                 assert c.post(CHAT, json=body).status_code in (200, 429)
 
-    seen_full = False
+    seen_full = [False]
+
+    def learned() -> dict | None:
+        steps = small_pair.engine_status()["step_model"]
+        seen_full[0] = seen_full[0] or steps["saturated"]
+        assert not any(f.done() for f in futures), steps  # all sent, or one failed
+        return steps if steps["sequence_cap"] == 8 and seen_full[0] else None
+
     with ThreadPoolExecutor(CLIENTS) as pool:
         futures = [pool.submit(client, k) for k in range(CLIENTS)]
         try:
-            while True:
-                steps = small_pair.engine_status()["step_model"]
-                seen_full = seen_full or steps["saturated"]
-                if steps["sequence_cap"] == 8 and seen_full:
-                    break
-                assert not any(f.done() for f in futures), steps  # all sent, or one failed
-                time.sleep(0.2)
+            steps = wait_for(learned, timeout=600)
         finally:
             done.set()
         for f in futures:

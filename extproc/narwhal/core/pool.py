@@ -104,7 +104,7 @@ class Pool:
             for attr in ("running", "waiting", "kv_cache_usage"):
                 if attr in values:
                     setattr(e, attr, values[attr])
-            e.model.step_model.engine_counts(e.running, e.waiting)
+            e.model.step_model.engine_waiting(e.waiting)
             if "kv_capacity_tokens" in values:
                 self.observe_kv_capacity(e, values["kv_capacity_tokens"], tokens_per_block)
             if "prefix_queries" in values and "prefix_hits" in values:

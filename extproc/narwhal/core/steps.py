@@ -37,7 +37,7 @@ small was computed in the first step that took it in, so its intake lies between
 gaps from its dispatch to the starts of that step and of the one before it
 (``_learn_intake``); the cap from the steps that did and did not take in the prompt
 first in line, by the decode count they ran with (``_learn_cap``), limiting the plan
-while the engine says it holds requests waiting (``engine_counts``). A prompt joins the
+while the engine says it holds requests waiting (``engine_waiting``). A prompt joins the
 plan only once it is in and has a seat.
 
 What it does not know: the engine's token budget (``--max-num-batched-tokens``, which
@@ -64,7 +64,7 @@ NEAR = 0.1  # a budget within this share of the least error counts as as good (`
 MAX_QUEUE = 4096  # prompts followed per engine (more: the oldest are forgotten)
 INTAKE_WINDOW = 64  # prompts whose intake evidence is kept (``_learn_intake``)
 INTAKE_MIN = 8  # evidence before an intake is used (until then: none)
-INTAKE_EVERY = 4  # new evidence between recomputations of the intake and the cap
+RECOMPUTE_EVERY = 4  # new evidence between recomputations of the intake and the cap
 SEAT_WINDOW = 128  # steps' evidence of the engine's sequence cap (``_learn_cap``)
 CAP_EVIDENCE = 4  # prompts left out at or above a count before it is a cap
 MAX_JOIN_STEPS = 16  # steps a projection walks until a prompt sent now is taken in
@@ -133,9 +133,9 @@ class StepModel:
     exchanges report tokens, the scheduler dispatches and first tokens."""
 
     __slots__ = ("queue", "lengths", "errors", "judged", "step_start", "step_decodes",
-                 "planned", "after", "last_token_at", "gap_s", "intake", "cap", "saturated", "_seats",
-                 "_ended_decodes", "_head", "_held", "_ended_start",
-                 "_ended_before", "_bounds", "_intake_new", "_cap_new")
+                 "planned", "after", "last_token_at", "gap_s", "intake", "cap", "saturated",
+                 "_seats", "_ended_decodes", "_head", "_held", "_ended_start", "_ended_before",
+                 "_bounds", "_intake_new", "_cap_new")
 
     def __init__(self) -> None:
         n = len(BUDGETS)
@@ -151,7 +151,7 @@ class StepModel:
         self.gap_s = MIN_GAP_S
         self.intake = 0.0  # seconds from a dispatch to the first step that can take it
         # The sequences the engine runs at once, where it has shown a limit (``_learn_cap``;
-        # 0: none), and whether it holds requests waiting (``engine_counts``): then the
+        # 0: none), and whether it holds requests waiting (``engine_waiting``): then the
         # plan seats no more than that.
         self.cap = 0
         self.saturated = False
@@ -215,9 +215,8 @@ class StepModel:
             if decodes != self.step_decodes and start is not None:
                 freed = decodes < self.step_decodes
                 self.step_decodes = decodes
-                head = self._head
-                if head is not None and head.head_start == start:
-                    head.head_decodes = decodes
+                if self._head is not None:  # the plan's, made at this step's start
+                    self._head.head_decodes = decodes
                 if freed and self._held:
                     self._plan(start, decodes)
             return False
@@ -324,7 +323,7 @@ class StepModel:
         if answered_by > first:  # and the step that answered it took it in
             seen.append((self._ended_decodes, False))
         self._cap_new += 1
-        if self._cap_new < INTAKE_EVERY:
+        if self._cap_new < RECOMPUTE_EVERY:
             return
         self._cap_new = 0
         rows = sorted(seen)
@@ -345,10 +344,10 @@ class StepModel:
                 cap = 0
         self.cap = cap
 
-    def engine_counts(self, running: float, waiting: float) -> None:
-        """The engine's own gauges, scraped: whether it holds requests waiting. The cap
-        (``_learn_cap``) limits the plan only then, so that a cap learned from a few
-        chance misses cannot hold prompts out of an engine that is not full."""
+    def engine_waiting(self, waiting: float) -> None:
+        """The engine's own gauge, scraped: the requests it holds waiting. The cap
+        (``_learn_cap``) limits the plan only while there are some, so that a cap learned
+        from a few chance misses cannot hold prompts out of an engine that is not full."""
         self.saturated = waiting > 0
 
     # -- what Narwhal does ---------------------------------------------------------------
@@ -405,7 +404,7 @@ class StepModel:
         README): with no intake that is the least of a few dozen uniform draws over a
         step, a thirtieth of a step too much, and a plan a step late for prompts sent
         that close to a step's start spoiled the fit as much as one a step early.
-        Recomputed every ``INTAKE_EVERY`` prompts (sorts and bisections: per first token
+        Recomputed every ``RECOMPUTE_EVERY`` prompts (sorts and bisections: per first token
         it would cost a light-load request tens of microseconds)."""
         answered_by, before = self._ended_start, self._ended_before
         at = p.at
@@ -416,7 +415,7 @@ class StepModel:
         bounds = self._bounds
         bounds.append((low, answered_by - at))
         self._intake_new += 1
-        if len(bounds) < INTAKE_MIN or self._intake_new < INTAKE_EVERY:
+        if len(bounds) < INTAKE_MIN or self._intake_new < RECOMPUTE_EVERY:
             return
         self._intake_new = 0
         lows = sorted(lo for lo, _ in bounds)
