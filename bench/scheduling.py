@@ -27,8 +27,12 @@ load: goodput (completed requests per second within the TTFT budget) over the ce
 its second half (the steady state of a sustained overload: use a long ``--duration``, as
 routers without admission serve nothing in budget once their queues are a budget deep),
 % of admitted within budget, TTFT and TPOT p50/p99, refusal rate, Narwhal's TTFT prediction error p50/p90 and
-MAPE (header x-narwhal-predicted-ttft-ms against the client's measurement) and its output
-length error (x-narwhal-predicted-output-tokens). ``--drift`` adds a run in which the
+MAPE (header x-narwhal-predicted-ttft-ms against the client's measurement), its output
+length error (x-narwhal-predicted-output-tokens), and how full the engines ran ("full":
+the share of the cell's arrivals each engine spent in steps that used up their token
+budget, sequence cap or KV blocks with work left over, mean of the engines; each engine's
+on its own line with its share in any step: 100% full is an engine computing at its
+limit, in budget or not). ``--drift`` adds a run in which the
 fastest engine halves its speed a third of the way in: time until Narwhal's /status shows
 it detected, and how many of that engine's admitted requests missed the budget meanwhile.
 """
@@ -449,6 +453,31 @@ def cache_counters(pool: Stack) -> dict[str, tuple[float, float]]:
     return out
 
 
+def busy_counters(pool: Stack) -> dict[str, tuple[float, float]]:
+    """Each engine's seconds in steps and in full steps so far (the simulator's own
+    counters), and now (under "")."""
+    out = {"": (time.monotonic(), 0.0)}
+    for s in pool.sims:
+        values = {}
+        for line in httpx.get(f"http://127.0.0.1:{s.port}/metrics", timeout=10).text.splitlines():
+            if line.startswith("narwhal_sim_"):
+                name, value = line.split()
+                values[name] = float(value)
+        out[s.name] = (values["narwhal_sim_busy_seconds_total"],
+                       values["narwhal_sim_full_step_seconds_total"])
+    return out
+
+
+def busy_shares(before: dict, after: dict) -> dict[str, tuple[float, float]]:
+    """Per engine, the shares of a window's wall time it spent in steps and in full steps
+    (its token budget, sequence cap or KV blocks used up with work left over). A
+    continuous-batching engine decoding anything is in steps all the time; one whose
+    steps are all full computes at its limit, whatever it computes (in budget or not)."""
+    wall = after[""][0] - before[""][0]
+    return {n: ((after[n][0] - before[n][0]) / wall, (after[n][1] - before[n][1]) / wall)
+            for n in after if n}
+
+
 def index_counters(stack: Stack) -> dict[str, tuple[float, float]]:
     """Narwhal's prompt tokens dispatched per engine and the part its index expected cached."""
     engines = httpx.get(f"{stack.admin_url}/status", timeout=10).json()["engines"]
@@ -508,15 +537,26 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace, mix: M
                     marks["engines"] = await asyncio.to_thread(cache_counters, pool)
                     marks["index"] = (await asyncio.to_thread(index_counters, stack)
                                       if stack is not None else {})
+                    marks["busy"] = await asyncio.to_thread(busy_counters, pool)
+
+                async def arrivals_end(marks: dict = marks) -> None:
+                    """The last arrival: the engines' busy time over the cell (not its drain)."""
+                    marks["busy_end"] = await asyncio.to_thread(busy_counters, pool)
 
                 watch = (StatusTrace(stack, Path(args.samples) / f"{policy}-{load:g}.status.jsonl")
                          if args.samples and stack is not None else None)
                 results = asyncio.run(drive(url, rate, args.duration, args.seed, mix,
-                                            args.time_scale, ((0.0, measured),), args.warmup))
+                                            args.time_scale,
+                                            ((0.0, measured), (args.duration, arrivals_end)),
+                                            args.warmup))
                 before, index0 = marks["engines"], marks["index"]
                 if watch is not None:
                     watch.stop()
                 row = summarize(results, args.duration, budget_s, args.time_scale)
+                busy = busy_shares(marks["busy"], marks["busy_end"])
+                row["full"] = sum(f for _, f in busy.values()) / len(busy)
+                print("  share of the cell in steps / in full steps: " + ", ".join(
+                    f"{n} {b:.0%}/{f:.0%}" for n, (b, f) in busy.items()), file=sys.stderr)
                 if stack is not None:
                     print("  prediction p90/MAPE per engine: " + per_engine_errors(results),
                           file=sys.stderr)
@@ -679,7 +719,7 @@ def main() -> int:
           f"{' --drift' if args.drift else ''}")
     print(f"{'policy':19} {'load':>4} {'req/s':>6} {'goodput':>7} {'2nd half':>8} {'in-budget':>9} "
           f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TPOT p50':>8} {'p99':>6} {'refused':>7} "
-          f"{'pred p50/p90/MAPE':>19} {'out MAPE':>8} {'hit':>5} {'hit gap':>7}")
+          f"{'pred p50/p90/MAPE':>19} {'out MAPE':>8} {'hit':>5} {'hit gap':>7} {'full':>5}")
     for policy, load, rate, s in rows:
         err = (f"{_fmt(s['err50'], True)}/{_fmt(s['err90'], True)}/{_fmt(s['mape'], True)}"
                if s["err50"] is not None else "-")
@@ -688,7 +728,7 @@ def main() -> int:
               f"{_fmt(s['ttft50']):>8} {_fmt(s.get('ttft90')):>7} {_fmt(s['ttft99']):>7} "
               f"{_fmt(s['tpot50']):>8} {_fmt(s['tpot99']):>6} {s['refused']:7.1%} {err:>19} "
               f"{_fmt(s['out_mape'], True):>8} {_fmt(s.get('hit'), True):>5} "
-              f"{_fmt(s.get('hit_gap'), True):>7}")
+              f"{_fmt(s.get('hit_gap'), True):>7} {_fmt(s.get('full'), True):>5}")
     if drift is not None:
         d = drift["detect_s"]
         print(f"drift (h100 halves its speed at {args.duration / 3:.0f} s, load 1.0): detected "

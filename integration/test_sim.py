@@ -174,6 +174,43 @@ def test_a_request_reaches_the_scheduler_after_its_intake():
         assert cli.main(["sim", flag, "-1"]) == 2
 
 
+def test_busy_seconds_count_the_steps_as_run():
+    """``narwhal_sim_busy_seconds_total`` is the steps' cost as the engine ran them, and
+    ``narwhal_sim_full_step_seconds_total`` the part in steps that used their whole token
+    budget: one request on an engine whose every step takes 7 ms (times --time-scale 2)
+    with a 16-token budget runs its prompt in 16-token chunks (full steps; the last chunk
+    also samples the first token), then a step a token (not full); nothing while idle."""
+    stack = Stack(sims=[SimSpec("sim-busy", args=["--tpot-ms", "7", "--prefill-tps", "0",
+                                                  "--ctx-ms-per-ktok", "0",
+                                                  "--max-num-batched-tokens", "16",
+                                                  "--time-scale", "2", "--intake-ms", "0"])],
+                  model=MODEL).start_sims()
+    base = f"http://127.0.0.1:{stack.sims[0].port}"
+    try:
+        assert _sim_metric(base, "busy_seconds_total") == 0.0
+        resp = httpx.post(f"{base}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "max_tokens": 5,
+            "messages": [{"role": "user", "content": "a narwhal's tusk " * 10}]})
+        assert resp.status_code == 200
+        usage = resp.json()["usage"]
+        prompt = usage["prompt_tokens"]
+        assert usage["completion_tokens"] == 5 and prompt > 32
+        step_s = 0.007 * 2
+        assert _sim_metric(base, "busy_seconds_total") == pytest.approx(
+            (-(-prompt // 16) + 4) * step_s)
+        assert _sim_metric(base, "full_step_seconds_total") == pytest.approx(
+            prompt // 16 * step_s)
+    finally:
+        stack.stop()
+
+
+def _sim_metric(base: str, name: str) -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(f"narwhal_sim_{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"no narwhal_sim_{name}")
+
+
 def test_usage_reports_the_prompts_cache_hit_with_vllms_flag():
     """``--enable-prompt-tokens-details``: usage carries ``prompt_tokens_details`` as vLLM
     0.32 writes it, streaming or not; the second of two requests sharing a long prefix

@@ -59,10 +59,22 @@ def test_max_num_seqs_keeps_the_rest_waiting():
     seqs = [Seq(prompt=16, max_out=5) for _ in range(3)]
     for q in seqs:
         s.add(q)
-    s.step()
+    first = s.step()
     assert len(s.running) == 2 and len(s.waiting) == 1
-    run(s)
+    assert first.full  # a request left waiting: the cap, not the budget, filled it
+    steps = run(s)
     assert all(q.out == 5 for q in seqs)
+    # once the third runs, nothing waits and 3 tokens fill no 2048-token step
+    assert not steps[-1].full
+
+
+def test_a_step_is_full_when_its_budget_runs_out():
+    s = BatchScheduler(COST, max_num_batched_tokens=64)
+    s.add(Seq(prompt=100, max_out=2))
+    chunk, last, decode = run(s)
+    assert (chunk.tokens, chunk.full) == (64, True)  # nothing waits, the budget is spent
+    assert (last.tokens, last.full) == (36, False)
+    assert (decode.tokens, decode.full) == (1, False)
 
 
 def test_prefix_cache_hits_skip_cached_blocks():

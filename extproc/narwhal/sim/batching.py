@@ -112,6 +112,9 @@ class StepResult:
     progressed: list[Seq] = field(default_factory=list)  # generated a token this step
     finished: list[Seq] = field(default_factory=list)
     preempted: int = 0
+    # The step ran out of room (its token budget, the sequence cap or KV blocks) with work
+    # left over: an engine whose steps are all full computes at its limit.
+    full: bool = False
 
 
 class BatchScheduler:
@@ -277,7 +280,7 @@ class BatchScheduler:
         tokens = sum(n for _, n in scheduled)
         context = sum(s.computed + n for s, n in scheduled)
         result = StepResult(self.cost.seconds(tokens, context) if scheduled else 0.0,
-                            tokens, preempted=preempted)
+                            tokens, preempted=preempted, full=budget <= 0 or bool(self.waiting))
         for seq, n in scheduled:
             seq.computed += n
             self._cache_full_blocks(seq)

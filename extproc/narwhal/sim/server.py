@@ -102,6 +102,10 @@ class Engine:
         self.running.set()
         self.requests_total = 0
         self.steps = 0
+        # Seconds spent in steps, as run (times time_scale, over speed): how busy the
+        # engine was, which a benchmark reads to tell a pool at its compute limit.
+        self.busy_s = 0.0
+        self.full_s = 0.0  # of which in full steps (``StepResult.full``)
         self.waiters: dict[Seq, asyncio.Event] = {}
         self.kick = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
@@ -132,8 +136,12 @@ class Engine:
                 continue
             result = self.sched.step()
             self.steps += 1
+            busy = result.seconds * self.time_scale / self.speed
+            self.busy_s += busy
+            if result.full:
+                self.full_s += busy
             now = loop.time()
-            end = max(end + result.seconds * self.time_scale / self.speed, now)
+            end = max(end + busy, now)
             await asyncio.sleep(end - now)
             for seq in result.progressed:
                 event = self.waiters.get(seq)
@@ -246,6 +254,16 @@ class Engine:
                  f'vllm:cache_config_info{{block_size="{BLOCK_SIZE}",enable_prefix_caching='
                  f'"{sched.prefix_caching}",engine="0",num_gpu_blocks="{sched.num_gpu_blocks}"'
                  "} 1.0\n")
+        # The simulator's own (no vLLM metric says how busy an engine is; Narwhal does not
+        # read it: the benchmarks do).
+        text += ("# HELP narwhal_sim_busy_seconds_total Seconds the engine spent in steps, "
+                 "as run (times --time-scale, over the speed knob).\n"
+                 "# TYPE narwhal_sim_busy_seconds_total counter\n"
+                 f"narwhal_sim_busy_seconds_total {self.busy_s!r}\n"
+                 "# HELP narwhal_sim_full_step_seconds_total Of those, seconds in steps that "
+                 "ran out of room (token budget, sequence cap or KV blocks) with work left.\n"
+                 "# TYPE narwhal_sim_full_step_seconds_total counter\n"
+                 f"narwhal_sim_full_step_seconds_total {self.full_s!r}\n")
         return web.Response(text=text, content_type="text/plain")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
