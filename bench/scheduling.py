@@ -390,7 +390,7 @@ NARWHAL = {"predictive": ("predictive", {}), "open": ("open", {}),
            "predictive-noprefix-t40": ("predictive", {"prefix_index_blocks": 0})}
 
 # Narwhal's variants configured with a TTFT target below the budget the cell measures
-# goodput against (a shorter queue under overload: README, "Twenty-first session").
+# goodput against (a shorter queue under overload: docs/measurements.md, "Twenty-first session").
 TARGET_SHARE = {"predictive-t40": 0.4, "predictive-noprefix-t40": 0.4}
 
 
