@@ -8,7 +8,7 @@ import sys
 
 from .config import Config, ConfigError, load
 from .core.sizing import SizingError
-from .sim.batching import BLOCK_SIZE, PROFILES, BatchScheduler, Profile, StepCost
+from .sim.batching import BLOCK_SIZE, PROFILES, BatchScheduler, Intake, Profile, StepCost
 from .sim.generate import FAULTS
 
 
@@ -103,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     p_sim.add_argument("--time-scale", type=float, default=1.0,
                        help="multiply every step's duration (run a GPU profile slower on "
                             "a small machine)")
-    p_sim.add_argument("--intake-ms", type=float, default=2.0,
+    p_sim.add_argument("--intake-ms", type=float, default=Intake().ms,
                        help="milliseconds from a request's arrival to the scheduler, as vLLM's "
-                            "API server takes (2.0, measured; scaled by --time-scale)")
-    p_sim.add_argument("--intake-us-per-token", type=float, default=1.0,
-                       help="intake microseconds per prompt token (tokenization; 1.0)")
+                            f"API server takes ({Intake().ms}, measured; scaled by --time-scale)")
+    p_sim.add_argument("--intake-us-per-token", type=float, default=Intake().us_per_token,
+                       help=f"intake microseconds per prompt token (tokenization; "
+                            f"{Intake().us_per_token})")
     p_sim.add_argument("--slow-start-ms", type=float, default=1500.0,
                        help="first-token delay added by x-sim-fault: slow-start")
     p_sim.add_argument("--reasoning", choices=["none", "reasoning", "reasoning_content", "both"],
@@ -142,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ok: model {cfg.serving.model}, {len(cfg.engines)} engine(s)")
         elif args.command == "sim":
             from .sim.generate import SimOptions
-            from .sim.server import Intake
             from .sim.server import run as run_sim
 
             run_sim(args.host, args.port,

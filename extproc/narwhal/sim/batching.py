@@ -51,6 +51,21 @@ class Profile:
     max_num_seqs: int = 256
 
 
+@dataclass(frozen=True, slots=True)
+class Intake:
+    """What a request costs before it reaches the scheduler: vLLM's API server reads it,
+    renders and tokenizes the prompt and hands it to the engine core, which takes new
+    requests in only between steps. A fixed part and a part per prompt token; the
+    defaults are vLLM 0.32's as measured (``server.py``'s docstring; the ``narwhal sim``
+    flags take them from here)."""
+
+    ms: float = 2.0
+    us_per_token: float = 1.0
+
+    def seconds(self, prompt_tokens: int) -> float:
+        return (self.ms + self.us_per_token * prompt_tokens / 1000) / 1000
+
+
 # Llama-3.1-8B (bf16: 16.1 GB of weights; KV 131 kB/token: 32 layers x 8 KV heads x 128
 # x K,V x 2 bytes) by roofline on NVIDIA's datasheet figures: base = weights / HBM
 # bandwidth x 1.2, per token = 2 x 8.03 GFLOP / (dense bf16 peak x 0.5 utilisation),

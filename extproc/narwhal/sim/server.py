@@ -23,13 +23,12 @@ import contextlib
 import logging
 import time
 from array import array
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from .batching import BLOCK_SIZE, BatchScheduler, Seq, block_hashes
+from .batching import BLOCK_SIZE, BatchScheduler, Intake, Seq, block_hashes
 from .generate import (
     FAULTS,
     OUTPUTS,
@@ -73,18 +72,6 @@ def _hashes(plan: Plan) -> tuple[list[int], list[int]]:
             k += 1
         full_at.append(plan.prompt_tokens + k + 1)
     return hashes, full_at
-
-
-@dataclass(frozen=True, slots=True)
-class Intake:
-    """What a request costs before it reaches the scheduler (see the module docstring):
-    a fixed part and a part per prompt token, vLLM's as measured by default."""
-
-    ms: float = 2.0
-    us_per_token: float = 1.0
-
-    def seconds(self, prompt_tokens: int) -> float:
-        return (self.ms + self.us_per_token * prompt_tokens / 1000) / 1000
 
 
 class Engine:
