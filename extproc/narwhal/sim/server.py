@@ -89,8 +89,9 @@ class Engine:
         self.running.set()
         self.requests_total = 0
         self.steps = 0
-        # Seconds spent in steps, as run (times time_scale, over speed): how busy the
-        # engine was, which a benchmark reads to tell a pool at its compute limit.
+        # Seconds spent in steps, as run (times time_scale, over speed), and those in full
+        # steps: the benchmarks read them (/metrics) to tell an engine computing at its
+        # limit from one with room (an engine decoding anything is always in a step).
         self.busy_s = 0.0
         self.full_s = 0.0  # of which in full steps (``StepResult.full``)
         self.waiters: dict[Seq, asyncio.Event] = {}
