@@ -400,10 +400,11 @@ class StepModel:
         else, a full engine, is outvoted) is where the intake may start, and the least
         upper bound of the prompts that allow it is where it must end: the intake is
         halfway. Where no prompt ever missed its step the least value is 0 and so is the
-        intake: the plan is then what it was. Why not the least upper bound alone (tried,
-        README): with no intake that is the least of a few dozen uniform draws over a
-        step, a thirtieth of a step too much, and a plan a step late for prompts sent
-        that close to a step's start spoiled the fit as much as one a step early.
+        intake: the plan is then what it was. Why not the least upper bound alone
+        (tried, docs/measurements.md): with no intake that is the least of a few dozen
+        uniform draws over a step, a thirtieth of a step too much, and a plan a step late
+        for prompts sent that close to a step's start spoiled the fit as much as one a
+        step early.
         Recomputed every ``RECOMPUTE_EVERY`` prompts (sorts and bisections: per first token
         it would cost a light-load request tens of microseconds)."""
         answered_by, before = self._ended_start, self._ended_before
@@ -454,6 +455,12 @@ class StepModel:
         i = self._best()
         if len(self.lengths[i]) < MIN_STEPS:
             return None
+        return self._projection(i, work, decodes, now)
+
+    def _projection(self, i: int, work: float, decodes: int, now: float
+                    ) -> tuple[float, float]:
+        """Budget ``i``'s wait for the step that takes a prompt sent now in, and its
+        projection to that prompt's last chunk."""
         wait, ahead = self._join(i, now, decodes)
         return wait, wait + self._steps(i, ahead + work, decodes)
 
@@ -500,5 +507,4 @@ class StepModel:
             return 0.0
         if idle:
             return self.intake + self._steps(i, work, decodes)
-        wait, ahead = self._join(i, now, decodes)
-        return wait + self._steps(i, ahead + work, decodes)
+        return self._projection(i, work, decodes, now)[1]
