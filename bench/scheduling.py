@@ -343,11 +343,16 @@ def per_engine_errors(results: list[Result]) -> str:
                      f"({len(errs)})" for name, errs in sorted(by.items()))
 
 
-# Requests/s the pool completes when saturated, GPU-equivalent (time scale 1), measured
-# with --calibrate (Narwhal open at 4x this, completions per second once queues build) on
-# chat. On tenants it measured 158 (one run), within run-to-run variation: both workloads
-# take this, so a load is the same request rate on both.
+# The unit of a cell's load, requests/s GPU-equivalent (time scale 1), on chat and tenants
+# alike (a load is the same request rate on both). The first calibration (Narwhal open at
+# 4x, open-loop) measured 148 but counted the streams Narwhal ended on its stall timeout
+# as completions; every figure since is against 148, so it stays the unit. What the pool
+# completes depends on which requests it takes: --calibrate (closed-loop, every seat
+# taken, no budget) measures 104 (open) and 109 (predictive) with output counted, and
+# predictive admission at 1.5x serves 141-147 within the 1 s budget, by taking the
+# requests each engine can serve in it (docs/measurements.md, "Twenty-fifth session").
 CAPACITY_GPU_RPS = 148.0
+SEATS = 256  # each simulator's sequence cap (--max-num-seqs; sim/batching.py's default)
 
 
 def capacity_rps(scale: float) -> float:
@@ -355,21 +360,64 @@ def capacity_rps(scale: float) -> float:
 
 
 def calibrate(args: argparse.Namespace, mix: Mix) -> float:
-    """Saturate the pool through Narwhal (open) and count completions per second in the
-    last two thirds of the run, when every engine has a queue."""
+    """The pool's throughput with every seat taken: clients that each send their next
+    request as their last one ends, as many as the engines' sequences and a few more (a
+    seat freed is taken at once), through Narwhal (``--calibrate-with``: open, or
+    predictive with a budget no request misses) booking at most the cap on each engine,
+    with the patience to wait out the slowest engine's full batch; completions with output
+    per second over the last two thirds of the run.
+
+    Why closed-loop: an open-loop 4x overload (the first calibration) collapses: the
+    engines' own queues grow minutes deep, clients give up on work the engines still
+    compute, and Narwhal ends the streams of an engine silent past its stall timeout.
+    Counted as completions, those streams made the l4's whole share (one run: 6.0 of 13.5
+    a second, none with a token); counted with output, 95.6 req/s GPU-equivalent. Every
+    seat taken is no maximum either: the l4's 256 sequences overflow its KV cache."""
     pool = Stack(sims=sims(args.time_scale), model=MODEL).start_sims()
-    stack = narwhal_stack(pool, "open", 600_000, NARWHAL[args.calibrate_with][1])
+    patience_ms = 600_000
+    mode, scheduler = NARWHAL[args.calibrate_with]
+    stack = narwhal_stack(pool, mode, patience_ms, scheduler,
+                          {"engine_stall_timeout_ms": patience_ms})
     try:
         t0 = time.monotonic()
-        results = asyncio.run(drive(f"{stack.url}/v1/chat/completions",
-                                    4 * capacity_rps(args.time_scale), args.duration,
-                                    args.seed, mix, args.time_scale))
+        results = asyncio.run(saturate(f"{stack.url}/v1/chat/completions",
+                                       len(ENGINES) * SEATS + 32, args.duration, args.seed,
+                                       mix))
     finally:
         stack.stop()
         pool.stop()
     lo, hi = t0 + args.duration / 3, t0 + args.duration
-    done = sum(1 for r in results if r.end is not None and lo <= r.end <= hi)
-    return done / (hi - lo) * args.time_scale
+    done = [r for r in results if r.end is not None and r.tokens and lo <= r.end <= hi]
+    rate = {name: sum(1 for r in done if r.engine == name) / (hi - lo) * args.time_scale
+            for name, _ in ENGINES}
+    print("  completions per engine: " + ", ".join(f"{n} {c:.1f}" for n, c in rate.items())
+          + " req/s GPU-equivalent", file=sys.stderr)
+    return len(done) / (hi - lo) * args.time_scale
+
+
+async def saturate(url: str, clients: int, duration: float, seed: int,
+                   mix: Mix) -> list[Result]:
+    """``clients`` closed-loop clients for ``duration`` s, without a client timeout; the
+    requests still open then are cancelled (not returned). A refused client waits a
+    second before its next request (it would otherwise spin on refusals)."""
+    work = Workload(random.Random(seed + 1), mix)
+    done: list[Result] = []
+
+    async def client(session: aiohttp.ClientSession, k: int) -> None:
+        for i in range(1 << 30):
+            result = await one(session, url, work, seed * 100000 + k * 10000 + i)
+            done.append(result)
+            if result.status != 200:
+                await asyncio.sleep(1.0)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = [asyncio.ensure_future(client(session, k)) for k in range(clients)]
+        await asyncio.sleep(duration)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return done
 
 
 def sims(scale: float) -> list[SimSpec]:
@@ -666,7 +714,8 @@ def _fmt(x: float | None, pct: bool = False) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load per cell")
-    parser.add_argument("--loads", default="0.5,1,1.5,2", help="multiples of pool capacity")
+    parser.add_argument("--loads", default="0.5,1,1.5,2",
+                        help="multiples of the load unit (CAPACITY_GPU_RPS)")
     parser.add_argument("--budget-ms", type=int, default=1000,
                         help="TTFT budget, real-GPU-equivalent")
     parser.add_argument("--time-scale", type=float, default=12.0,
@@ -685,13 +734,14 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=0.0,
                         help="seconds of load at each cell's rate before it is measured")
     parser.add_argument("--calibrate", action="store_true",
-                        help="measure the pool's saturated throughput and exit")
-    parser.add_argument("--calibrate-with", choices=("open", "open-noprefix"), default="open",
+                        help="measure the pool's throughput with every seat taken, and exit")
+    parser.add_argument("--calibrate-with", choices=("open", "open-noprefix", "predictive"),
+                        default="open",
                         help="the placement that saturates the pool for --calibrate")
     args = parser.parse_args()
     mix = workload_mix(args.workload, args.tenants)
     if args.calibrate:
-        print(f"saturated throughput ({args.workload}, {args.calibrate_with}): "
+        print(f"throughput, every seat taken ({args.workload}, {args.calibrate_with}): "
               f"{calibrate(args, mix):.1f} req/s GPU-equivalent "
               f"(CAPACITY_GPU_RPS is {CAPACITY_GPU_RPS:g})")
         return 0
