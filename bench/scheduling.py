@@ -760,7 +760,7 @@ def main() -> int:
         drift = run_drift(args, mix, 1.0) if args.drift else None
     print(f"Narwhal scheduling benchmark: engines {', '.join(p for _, p in ENGINES)} at "
           f"time scale {args.time_scale:g}; workload {args.workload}; TTFT budget "
-          f"{args.budget_ms} ms; capacity {capacity_rps(args.time_scale):.2f} req/s "
+          f"{args.budget_ms} ms; load 1.0 = {capacity_rps(args.time_scale):.2f} req/s "
           f"(times below are GPU-equivalent)")
     print(f"reproduce: python -m bench.scheduling --duration {args.duration:g} --loads "
           f"{args.loads} --budget-ms {args.budget_ms} --time-scale {args.time_scale:g} "
