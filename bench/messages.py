@@ -76,10 +76,12 @@ def _headers(values: dict[str, str]) -> pb.HttpHeaders:
         base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]))
 
 
-async def setup() -> tuple[GrpcConnection, Transport, h2.connection.H2Connection]:
+async def setup() -> tuple[GrpcConnection, Transport, h2.connection.H2Connection, Router]:
     router = Router(parse({
         "engines": [{"name": "a", "url": "http://127.0.0.1:9"}],
-        "telemetry": {"profiling": False}}))
+        # A run that outlasts the staleness window (under a profiler) would be refused
+        # "monitoring-degraded" and measure refusals: nothing scrapes here.
+        "telemetry": {"profiling": False, "stale_after_ms": 86_400_000}}))
     for e in router.engines:
         e.healthy = e.checked = True
         e.telemetry_at = router.clock()
@@ -95,7 +97,7 @@ async def setup() -> tuple[GrpcConnection, Transport, h2.connection.H2Connection
     client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**30})
 
     exchange_bytes(conn, transport, client)
-    return conn, transport, client
+    return conn, transport, client, router
 
 
 def exchange_bytes(conn: GrpcConnection, transport: Transport,
@@ -124,7 +126,7 @@ def token_event(text: str, token: int, finish: str | None = None) -> bytes:
 
 
 async def run(events: int) -> float:
-    conn, transport, client = await setup()
+    conn, transport, client, _ = await setup()
     sid = open_stream(client)
     body = orjson.dumps({"model": "narwhal-sim", "stream": True, "max_tokens": 1_000_000,
                          "messages": [{"role": "user", "content": "hi"}]})
@@ -189,7 +191,7 @@ def request_reads(client: h2.connection.H2Connection, chunks: int) -> list[bytes
 
 async def run_requests(requests: int) -> float:
     """Whole non-streaming requests, each on its own ext_proc stream, one after another."""
-    conn, transport, client = await setup()
+    conn, transport, client, router = await setup()
     total = 0.0
     for _ in range(requests):
         reads = request_reads(client, 8)
@@ -200,6 +202,10 @@ async def run_requests(requests: int) -> float:
         exchange_bytes(conn, transport, client)
     if conn.streams:
         raise SystemExit(f"{len(conn.streams)} ext_proc streams still open")
+    [engine] = router.engines
+    if engine.dispatched != requests:
+        raise SystemExit(f"{requests - engine.dispatched} of {requests} requests not "
+                         "placed: the run measured refusals")
     return total / requests
 
 
