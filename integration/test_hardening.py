@@ -118,6 +118,23 @@ def test_stalled_non_streaming_request_is_a_504(stall_stack):
     assert status(stall_stack)["engines"][0]["in_flight"] == 0
 
 
+def test_an_engine_queue_within_the_ttft_budget_is_no_stall(stall_stack):
+    """The engine holds the first token 1.5 s after its response headers (``slow-start``)
+    against a 0.5 s stall timeout: within the default 2 s TTFT budget that is a queue
+    admission projected, and the stream completes; with a 1 s budget the silence outlasts
+    the budget too, and the stream ends engine_stalled."""
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 4, "stream": True}
+    for budget, stalled in ((None, False), ("1000", True)):
+        headers = {"x-sim-fault": "slow-start"} | ({"x-slo-ttft-ms": budget} if budget else {})
+        with httpx.stream("POST", f"{stall_stack.url}/v1/chat/completions", json=body,
+                          timeout=30, headers=headers) as resp:
+            assert resp.status_code == 200
+            events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+        assert ('"engine_stalled"' in events[-1]) is stalled
+        assert ("[DONE]" in events) is not stalled
+    assert status(stall_stack)["engines"][0]["in_flight"] == 0
+
+
 @pytest.fixture
 def doomed_stack():
     """A stack whose engine or router a test kills."""

@@ -377,6 +377,46 @@ def test_a_stalled_engine_fails_the_request_and_frees_its_slot(stream):
     assert router.engines[0].in_flight == 0 and router.accounting.in_flight == 0
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_before_its_first_token_a_request_is_not_stalled_within_its_ttft_budget(stream):
+    """A 5 s TTFT budget against a 1 s stall timeout: the engine's queue may hold the
+    first token that long (admission projected it), so the silence after the response
+    headers fails the request only once the budget has run out too; after the first
+    token the stall timeout alone counts again."""
+    now = [100.0]
+    router = ready(Router(parse({"serving": {"engine_stall_timeout_ms": 1000},
+                                 "admission": {"ttft_target_ms": 5000},
+                                 "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]}),
+                          clock=lambda: now[0]))
+    body = orjson.dumps(orjson.loads(BODY) | {"stream": stream})
+    silent = Exchange(router)
+    admit(silent, body)
+    now[0] = 100.2
+    silent.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
+    assert silent.wake_at == pytest.approx(105.0)  # not 101.2
+    now[0] = 104.9
+    assert silent.expire() == []
+    now[0] = silent.wake_at
+    actions = silent.expire()
+    assert actions and b"engine_stalled" in (actions[0].data if stream else
+                                               actions[0].error.body())
+    assert router.engines[0].in_flight == 0
+
+    answered = Exchange(router)
+    up = admit(answered, body)
+    answered.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
+    now[0] += 3.0  # 3 s in the engine's queue: past the stall timeout, within the budget
+    assert answered.expire() == []
+    first = engine_stream(up).split(b"\n\n")
+    answered.response_body(first[0] + b"\n\n" + first[1] + b"\n\n", False)
+    assert answered.ticket.first_token_at == now[0]
+    # re-armed at the first token: the budget's wait is over, the stall timeout counts
+    assert answered.wake_at == pytest.approx(now[0] + 1.0)
+    now[0] = answered.wake_at  # silent for the stall timeout after its first token
+    assert answered.expire()
+    assert router.accounting.terminal["failed"] == 2
+
+
 def test_close_mid_response_frees_slots_now_and_counts_when_envoy_says(router):
     ex = Exchange(router)
     up = admit(ex, orjson.dumps(orjson.loads(BODY) | {"stream": True}))

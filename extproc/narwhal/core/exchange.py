@@ -369,9 +369,8 @@ class Exchange:
         if self.phase is not Phase.UPSTREAM:
             return []
         self.phase = Phase.RESPONSE_BODY
-        now = self.engine_seen = self.router.clock()
-        stall_end = now + self.router.config.serving.engine_stall_timeout_ms / 1000
-        self._arm(stall_end if self.relay is not None else min(stall_end, self.deadline))
+        self.engine_seen = self.router.clock()
+        self._arm_stall()
         ctype = headers.get("content-type", "")
         if self.status == 200 and not ctype.startswith("text/event-stream"):
             return self._refuse(errors.engine_failure(
@@ -521,6 +520,7 @@ class Exchange:
         self.router.control.token(self, now, first)  # it left at the end of an engine step
         if first:
             self.router.control.first_token(self, now)
+            self._arm_stall()  # the budget's wait is over: the stall timeout alone now
         self.last_token_at = now
 
     def _computed_usage(self) -> dict[str, int]:
@@ -645,14 +645,32 @@ class Exchange:
         self._arm(self.deadline if wait_end is None else min(wait_end, self.deadline))
         return []
 
+    def _arm_stall(self) -> None:
+        stall_end = self._stall_end()
+        self._arm(stall_end if self.relay is not None else min(stall_end, self.deadline))
+
+    def _stall_end(self) -> float:
+        """When the engine's silence becomes a stall: the stall timeout after its last
+        bytes, and before the first token never sooner than the request's TTFT budget
+        runs out. Why: admission promised the first token within the budget, so an engine
+        whose own queue holds it that long is doing what was projected; a budget past the
+        stall timeout (``x-slo-ttft-ms`` up to ``admission.max_ttft_target_ms``) was
+        otherwise broken by Narwhal itself, a request ended as stalled while the engine
+        would have answered it in time."""
+        end = self.engine_seen + self.router.config.serving.engine_stall_timeout_ms / 1000
+        t = self.ticket
+        if t is not None and t.first_token_at is None:
+            end = max(end, t.arrival + t.budget_s)
+        return end
+
     def _stall_check(self, now: float) -> list[Action]:
         """The engine has been silent for serving.engine_stall_timeout_ms: fail the request
         and free its slot, rather than hold it until the client gives up. One timer per
         request, re-armed lazily from ``engine_seen``, so tokens cost no timer work."""
-        stall_ms = self.router.config.serving.engine_stall_timeout_ms
-        stall_end = self.engine_seen + stall_ms / 1000
+        stall_end = self._stall_end()
         if now >= stall_end - TIMER_SLACK:
-            return self._end_failed(errors.engine_stalled(stall_ms))
+            return self._end_failed(errors.engine_stalled(
+                self.router.config.serving.engine_stall_timeout_ms))
         if not self.client_headers_sent:
             if now >= self.deadline - TIMER_SLACK:
                 return self._refuse(errors.terminal_expiry("the request deadline expired"))
