@@ -520,7 +520,11 @@ class Exchange:
         self.router.control.token(self, now, first)  # it left at the end of an engine step
         if first:
             self.router.control.first_token(self, now)
-            self._arm_stall()  # the budget's wait is over: the stall timeout alone now
+            # The budget's wait is over: the stall timeout alone now. Only where that is
+            # sooner than the timer armed (a budget past the stall timeout); otherwise
+            # the timer re-arms lazily when it fires, and no timer moves per request.
+            if self.wake_at is not None and self._stall_end() < self.wake_at:
+                self._arm_stall()
         self.last_token_at = now
 
     def _computed_usage(self) -> dict[str, int]:
