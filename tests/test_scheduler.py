@@ -532,6 +532,34 @@ def test_a_queue_draining_slowly_is_charged_at_its_measured_rate():
     assert patient.predicted_ttft_s >= 2.0  # the queue's wait, then its own projection
 
 
+def test_a_queue_wait_past_the_admission_wait_limit_is_refused_at_once():
+    # The queue drains one request per 0.5 s and holds four: 2 s ahead of a request
+    # joining it. With admission.max_wait_ms 1.5 s a request whose 5 s budget would
+    # allow that wait is refused now (429, Retry-After 1), not queued to expire 504
+    # after 1.5 s; with the default 10 s it joins the queue.
+    for max_wait_ms, queued in ((1500, False), (10_000, True)):
+        router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1},
+                                       admission={"max_wait_ms": max_wait_ms})
+        s = router.scheduler
+        running = [ticket(router, 10, budget_s=60) for _ in range(2)]
+        for t in running:
+            assert isinstance(s.admit(t, clock.t), Dispatch)
+        for _ in range(14):  # no drain rate measured yet: no wait charged
+            assert isinstance(s.admit(ticket(router, 10, budget_s=60), clock.t), Queued)
+        for _ in range(10):
+            clock.t += 0.5
+            s.first_token(running.pop(0), clock.t)
+            running += s.pump(clock.t)
+        assert len(s.queue) == 4 and s.queue_wait_s(clock.t) == pytest.approx(2.0)
+        decision = s.admit(ticket(router, 10, budget_s=5.0), clock.t)
+        if queued:
+            assert isinstance(decision, Queued)
+        else:
+            assert isinstance(decision, Refuse)
+            assert decision.error.code == "queue_wait_exceeded"
+            assert decision.error.status == 429 and decision.error.retry_after == 1
+
+
 def test_a_request_behind_a_queue_goes_at_once_where_no_queued_request_can():
     # The queue's requests may use only fast (a gateway's subset hint) and drain at one
     # per 0.5 s: 2 s of queue against a 1 s budget. A request that slow may serve is not

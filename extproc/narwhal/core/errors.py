@@ -104,6 +104,15 @@ def projected_over_budget(projected_s: float, budget_s: float) -> HttpError:
         retry_after=max(1, round(overrun)))
 
 
+def queue_wait_over_limit(wait_s: float, limit_s: float) -> HttpError:
+    overrun = wait_s - limit_s
+    return HttpError(
+        429, f"Projected wait in the admission queue {wait_s * 1000:.0f} ms exceeds the "
+        f"{limit_s * 1000:.0f} ms limit (admission.max_wait_ms) by {overrun * 1000:.0f} ms; "
+        "retry later", "rate_limit_error", REFUSED, code="queue_wait_exceeded",
+        retry_after=max(1, round(overrun)))
+
+
 def queue_full() -> HttpError:
     return HttpError(429, "Admission queue is full; retry", "rate_limit_error", REJECTED,
                      code="queue_full", retry_after=1)

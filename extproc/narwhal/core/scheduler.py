@@ -177,6 +177,12 @@ class Scheduler:
             return Dispatch(engine)
         if len(self.queue) >= self.config.admission.queue_limit:
             return Refuse(errors.queue_full())
+        max_wait_s = self.config.admission.max_wait_ms / 1000
+        if predictive and waiting > max_wait_s:
+            # A budget longer than the queue may hold a request (x-slo-ttft-ms past
+            # admission.max_wait_ms): queued, it would wait out max_wait_ms and end 504;
+            # refused now, the client is told when to come back.
+            return Refuse(errors.queue_wait_over_limit(waiting, max_wait_s))
         if not self.queue:
             self.drained.clear()  # a new queue: its rate is its own
         t.queued_at = now
