@@ -491,12 +491,16 @@ def vllm_router(pool: Stack, policy: str, workdir: Path) -> tuple[subprocess.Pop
     return proc, port
 
 
+def sim_metrics(s: SimSpec) -> str:
+    """One simulator's /metrics text."""
+    return httpx.get(f"http://127.0.0.1:{s.port}/metrics", timeout=10).text
+
+
 def cache_counters(pool: Stack) -> dict[str, tuple[float, float]]:
     """Each engine's prefix-cache queries and hits so far (tokens), from its metrics."""
     out = {}
     for s in pool.sims:
-        values = parse_vllm_metrics(httpx.get(f"http://127.0.0.1:{s.port}/metrics",
-                                              timeout=10).text)
+        values = parse_vllm_metrics(sim_metrics(s))
         out[s.name] = (values.get("prefix_queries", 0.0), values.get("prefix_hits", 0.0))
     return out
 
@@ -507,7 +511,7 @@ def busy_counters(pool: Stack) -> dict[str, tuple[float, float]]:
     out = {"": (time.monotonic(), 0.0)}
     for s in pool.sims:
         values = {}
-        for line in httpx.get(f"http://127.0.0.1:{s.port}/metrics", timeout=10).text.splitlines():
+        for line in sim_metrics(s).splitlines():
             if line.startswith("narwhal_sim_"):
                 name, value = line.split()
                 values[name] = float(value)
@@ -546,8 +550,7 @@ def idle(pool: Stack) -> None:
     """Wait until every engine has nothing running or waiting (observable state)."""
     for s in pool.sims:
         while True:
-            values = parse_vllm_metrics(
-                httpx.get(f"http://127.0.0.1:{s.port}/metrics", timeout=10).text)
+            values = parse_vllm_metrics(sim_metrics(s))
             busy = values.get("running", 0.0) + values.get("waiting", 0.0)
             if not busy:
                 break
