@@ -119,19 +119,28 @@ def test_stalled_non_streaming_request_is_a_504(stall_stack):
 
 
 def test_an_engine_queue_within_the_ttft_budget_is_no_stall(stall_stack):
-    """The engine holds the first token 1.5 s after its response headers (``slow-start``)
-    against a 0.5 s stall timeout: within the default 2 s TTFT budget that is a queue
-    admission projected, and the stream completes; with a 1 s budget the silence outlasts
-    the budget too, and the stream ends engine_stalled."""
+    """Against a 0.5 s stall timeout: the engine holds the first token 1.5 s after its
+    response headers (``slow-start``) while the request's TTFT budget is 60 s: that is a
+    queue admission projected, and the stream completes. With a 1 s budget and the
+    simulator's gate holding every step (the first token never comes while it is shut),
+    the silence outlasts the budget too, and the stream ends engine_stalled."""
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 4, "stream": True}
-    for budget, stalled in ((None, False), ("1000", True)):
-        headers = {"x-sim-fault": "slow-start"} | ({"x-slo-ttft-ms": budget} if budget else {})
-        with httpx.stream("POST", f"{stall_stack.url}/v1/chat/completions", json=body,
-                          timeout=30, headers=headers) as resp:
+    url = f"{stall_stack.url}/v1/chat/completions"
+
+    def events(headers: dict) -> list[str]:
+        with httpx.stream("POST", url, json=body, timeout=30, headers=headers) as resp:
             assert resp.status_code == 200
-            events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
-        assert ('"engine_stalled"' in events[-1]) is stalled
-        assert ("[DONE]" in events) is not stalled
+            return [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+
+    served = events({"x-sim-fault": "slow-start", "x-slo-ttft-ms": "60000"})
+    assert "[DONE]" in served and '"engine_stalled"' not in "".join(served)
+    sim = f"http://127.0.0.1:{stall_stack.sims[0].port}/sim/hold"
+    assert httpx.post(sim, json={"hold": True}).status_code == 200
+    try:
+        held = events({"x-slo-ttft-ms": "1000"})
+    finally:
+        httpx.post(sim, json={"hold": False})
+    assert '"engine_stalled"' in held[-1] and "[DONE]" not in held
     assert status(stall_stack)["engines"][0]["in_flight"] == 0
 
 
