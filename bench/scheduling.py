@@ -21,7 +21,9 @@ the prefix index off (``-noprefix``: the open pair compares placement alone, not
 refused), predictive with the prefix-affinity scorer, predictive on two worker processes
 (``predictive-workers2``: the same decisions, served by ``serving.workers: 2``), predictive
 configured with a TTFT target of 0.4 of the budget (``predictive-t40``,
-``predictive-noprefix-t40``: a shorter queue, its goodput judged against the budget), Envoy
+``predictive-noprefix-t40``: a shorter queue, its goodput judged against the budget),
+predictive with the queue served least expected work first (``predictive-least-work``,
+``predictive-noprefix-least-work``: ``admission.queue_order: least-work``), Envoy
 round robin, and `vllm-router` (PyPI) `power_of_two` and `cache_aware`. Per policy and
 load: goodput (completed requests per second within the TTFT budget) over the cell and over
 its second half (the steady state of a sustained overload: use a long ``--duration``, as
@@ -68,7 +70,8 @@ MAX_TOKENS = 1024
 WORDS = ("narwhal tusk ocean arctic ice whale pod swim deep cold water light wave router "
          "engine token prefill decode budget queue admit place stream chunk").split()
 POLICIES = ("predictive", "open", "predictive-noprefix", "open-noprefix", "predictive-affinity",
-            "predictive-t40", "predictive-noprefix-t40",
+            "predictive-t40", "predictive-noprefix-t40", "predictive-least-work",
+            "predictive-noprefix-least-work",
             "predictive-workers2", "round-robin", "vllm-router-p2", "vllm-router-cache")
 
 
@@ -435,11 +438,19 @@ NARWHAL = {"predictive": ("predictive", {}), "open": ("open", {}),
            "predictive-affinity": ("predictive", {"scorers": {"ttft": 1.0,
                                                               "prefix-affinity": 0.5}}),
            "predictive-t40": ("predictive", {}),
-           "predictive-noprefix-t40": ("predictive", {"prefix_index_blocks": 0})}
+           "predictive-noprefix-t40": ("predictive", {"prefix_index_blocks": 0}),
+           "predictive-least-work": ("predictive", {}),
+           "predictive-noprefix-least-work": ("predictive", {"prefix_index_blocks": 0})}
 
 # Narwhal's variants configured with a TTFT target below the budget the cell measures
 # goodput against (a shorter queue under overload: docs/measurements.md, "Twenty-first session").
 TARGET_SHARE = {"predictive-t40": 0.4, "predictive-noprefix-t40": 0.4}
+
+
+# Narwhal's variants with an admission setting of their own: the least expected work
+# first in the queue (docs/measurements.md, "Twenty-sixth session").
+ADMISSION = {"predictive-least-work": {"queue_order": "least-work"},
+             "predictive-noprefix-least-work": {"queue_order": "least-work"}}
 
 
 # Narwhal's variants that change how it is served, not how it schedules.
@@ -447,12 +458,13 @@ SERVING = {"predictive-workers2": {"workers": 2}}
 
 
 def narwhal_stack(pool: Stack, mode: str, budget_ms: int,
-                  scheduler: dict | None = None, serving: dict | None = None) -> Stack:
+                  scheduler: dict | None = None, serving: dict | None = None,
+                  admission: dict | None = None) -> Stack:
     engines = [{"name": s.name, "url": f"http://127.0.0.1:{s.port}", "dialect": "vllm"}
                for s in pool.sims]
     config = {"admission": {"mode": mode, "ttft_target_ms": budget_ms, "queue_limit": 1024,
                             "retention_limit": 4096, "max_wait_ms": 600_000,
-                            "max_ttft_target_ms": 600_000},
+                            "max_ttft_target_ms": 600_000, **(admission or {})},
               "scheduler": {"max_prefill_per_engine": 256, "max_decode_per_engine": 256,
                             **(scheduler or {})},
               "engines": engines}
@@ -568,7 +580,8 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace, mix: M
         if policy in NARWHAL:
             mode, scheduler = NARWHAL[policy]
             target_ms = round(budget_s * 1000 * TARGET_SHARE.get(policy, 1.0))
-            stack = narwhal_stack(pool, mode, target_ms, scheduler, SERVING.get(policy))
+            stack = narwhal_stack(pool, mode, target_ms, scheduler, SERVING.get(policy),
+                                  ADMISSION.get(policy))
             url, stop = f"{stack.url}/v1/chat/completions", stack.stop
         elif policy == "round-robin":
             envoy, port = plain_envoy(REPO_ROOT / "bench" / "envoy-roundrobin.yaml", workdir,

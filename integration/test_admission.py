@@ -117,6 +117,31 @@ def test_retention_limit_is_429_and_queue_is_fifo(queue_stack):
     assert ids == expected  # completed in arrival order: FIFO, one at a time
 
 
+@pytest.fixture(scope="module")
+def least_work_stack():
+    yield from _stack([SimSpec("slow", args=["--tpot-ms", "10"])],
+                      {"admission": {"mode": "open", "queue_limit": 4,
+                                     "queue_order": "least-work"}, "scheduler": SERIAL})
+
+
+def test_least_work_order_serves_the_cheaper_request_first(least_work_stack):
+    """admission.queue_order least-work: behind a running request, a long prompt queues,
+    then a short one; the short one takes the freed slot first and completes first (in
+    arrival order, as queue_stack's FIFO test shows, the long one would)."""
+    st = least_work_stack
+    first = background(st, {"max_tokens": 80})  # ~0.8 s
+    wait_for(st, lambda s: s["engines"][0]["in_flight"] == 1)
+    long_prompt = [{"role": "user", "content": "narwhal " * 1000}]
+    expensive = background(st, {"max_tokens": 3, "messages": long_prompt})
+    wait_for(st, lambda s: s["requests"]["queued"] == 1)
+    cheap = background(st, {"max_tokens": 3})
+    wait_for(st, lambda s: s["requests"]["queued"] == 2)
+    assert first.result().status_code == 200
+    done = list(concurrent.futures.as_completed([expensive, cheap]))
+    assert [f.result().status_code for f in done] == [200, 200]
+    assert done == [cheap, expensive]
+
+
 def test_client_leaving_the_queue_frees_its_place(queue_stack):
     first = background(queue_stack, {"max_tokens": 150})  # ~1.5 s: outlives the leaver
     wait_for(queue_stack, lambda s: s["engines"][0]["in_flight"] == 1)

@@ -560,6 +560,95 @@ def test_a_queue_wait_past_the_admission_wait_limit_is_refused_at_once():
             assert decision.error.status == 429 and decision.error.retry_after == 1
 
 
+def test_least_work_order_gives_a_freed_slot_to_the_request_with_the_least_work():
+    # One prefill slot per engine, both taken; three requests queue: a short prompt with
+    # a 300-token predicted output, a 400-token prompt with none, a short prompt with 40:
+    # at 4 prompt tokens an output token (the default), 1,210, 400 and 170 tokens of
+    # work. FIFO serves them in that order; least-work from the least work up.
+    for order, served in (("fifo", [1210, 400, 170]), ("least-work", [170, 400, 1210])):
+        router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1},
+                                       admission={"queue_order": order})
+        s = router.scheduler
+        running = [ticket(router, 10, budget_s=60) for _ in range(2)]
+        for t in running:
+            assert isinstance(s.admit(t, clock.t), Dispatch)
+        work = {}
+        for tokens, output in ((10, 300), (400, 0), (10, 40)):
+            t = ticket(router, tokens, budget_s=60)
+            t.predicted_output = output
+            assert isinstance(s.admit(t, clock.t), Queued)
+            work[id(t)] = tokens + 4 * output
+        out = []
+        for _ in range(3):
+            clock.t += 0.5
+            s.first_token(running.pop(0), clock.t)
+            pumped = s.pump(clock.t)
+            out += [work[id(p)] for p in pumped]
+            running += pumped
+        assert out == served
+
+
+def test_least_work_order_charges_a_joining_request_the_wait_behind_less_work():
+    # Twelve queued (prompt, predicted output): (10, 20), (10, 40), (100, 100), (10, 500)
+    # three times; a drain rate measured over eight dispatches at one per 0.5 s leaves
+    # four. FIFO: one of each, all ahead of a request joining (2 s). Least-work at 4
+    # prompt tokens an output token (work 90, 170, 500, 2,010): a 500 and three 2,010s
+    # are left, and a (150, 150) request (750) waits behind the 500 alone (0.5 s). At 0
+    # (work 10, 10, 100, 10): a 10 and three 100s, all with no more than its 150.
+    cases = (("fifo", 4.0, 2.0), ("least-work", 4.0, 0.5), ("least-work", 0.0, 2.0))
+    for order, per_output, wait in cases:
+        router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1},
+                                       admission={"queue_order": order,
+                                                  "output_token_work": per_output})
+        s = router.scheduler
+        running = [ticket(router, 10, budget_s=60) for _ in range(2)]
+        for t in running:
+            s.admit(t, clock.t)
+        for _ in range(3):
+            for tokens, output in ((10, 20), (10, 40), (100, 100), (10, 500)):
+                t = ticket(router, tokens, budget_s=60)
+                t.predicted_output = output
+                assert isinstance(s.admit(t, clock.t), Queued)
+        for _ in range(8):
+            clock.t += 0.5
+            s.first_token(running.pop(0), clock.t)
+            running += s.pump(clock.t)
+        assert len(s.queue) == 4
+        joining = ticket(router, 150, budget_s=60)
+        joining.predicted_output = 150
+        joining.work_order = 150 + per_output * 150
+        assert s.queue_wait_s(clock.t, joining) == pytest.approx(wait)
+        joining.work_order = 0.0
+        assert isinstance(s.admit(joining, clock.t), Queued)
+        if order == "least-work":  # what admission computes, and charges
+            assert joining.work_order == pytest.approx(150 + per_output * 150)
+            assert joining.predicted_ttft_s >= wait
+
+
+def test_least_work_order_gives_up_a_request_it_never_reaches_once_out_of_budget():
+    # Both slots taken; a 2,000-token request with a 2 s budget queues, then forty
+    # 10-token ones with 60 s budgets. In least-work order the pump's walk stops at the
+    # first cheap one (no engine has a slot), so it never reaches the expensive one; once
+    # it has waited so long that even an idle engine could not serve it within its budget
+    # it is given up (429, its overrun), and the cheap ones stay queued.
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1},
+                                   admission={"queue_order": "least-work"})
+    s = router.scheduler
+    for _ in range(2):
+        assert isinstance(s.admit(ticket(router, 10, budget_s=60), clock.t), Dispatch)
+    big = ticket(router, 2000, budget_s=2.0)
+    assert isinstance(s.admit(big, clock.t), Queued)
+    assert 0 < big.alone_s < 2.0
+    for _ in range(40):
+        assert isinstance(s.admit(ticket(router, 10, budget_s=60), clock.t), Queued)
+    clock.t += 1.99 - big.alone_s
+    assert s.pump(clock.t) == [] and big.refusal is None
+    clock.t += 0.02
+    assert s.pump(clock.t) == [big]
+    assert big.refusal is not None and big.refusal.code == "ttft_budget_exceeded"
+    assert len(s.queue) == 40 and all(t.refusal is None for t in s.queue)
+
+
 def test_a_request_behind_a_queue_goes_at_once_where_no_queued_request_can():
     # The queue's requests may use only fast (a gateway's subset hint) and drain at one
     # per 0.5 s: 2 s of queue against a 1 s budget. A request that slow may serve is not

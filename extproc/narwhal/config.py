@@ -52,6 +52,11 @@ class Admission:
     ttft_target_ms: int = 2000
     retention_limit: int = 1024
     queue_limit: int = 256
+    # Which queued request takes a freed slot first (core/scheduler.py ``_in_order``):
+    # "fifo" (arrival), or "least-work" (the least expected engine work: uncached prompt
+    # tokens plus output_token_work x predicted output tokens).
+    queue_order: str = "fifo"
+    output_token_work: float = 4.0
     max_wait_ms: int = 10_000
     request_timeout_ms: int = 600_000
     # The largest TTFT budget a client may ask for with x-slo-ttft-ms (larger ones clamp).
@@ -239,6 +244,7 @@ class Config:
 
 CHOICES = {
     "admission.mode": ("predictive", "open"),
+    "admission.queue_order": ("fifo", "least-work"),
     "serving.transport": ("asyncio", "grpcio"),
     "router.role": ("active", "standby"),
     "engines.dialect": ("vllm", "openai"),

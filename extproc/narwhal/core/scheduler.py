@@ -4,8 +4,9 @@ every measurement goes to ``learning.Learning``.
 Pure and synchronous: the exchange asks ``admit`` once its body is sized; the
 scheduler answers dispatch-now, queued, or a refusal; slot releases (first token,
 end of stream) pump the queue and return the tickets that can now be dispatched.
-The queue policy is FIFO (``_in_order`` is the seam a priority policy replaces); a
-ticket that waits holds back later ones only on the engines it could use (``pump``).
+The queue's order is a policy (``_in_order``: arrival, or the least expected work
+first); a ticket that waits holds back later ones only on the engines it could use
+(``pump``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class Ticket:
     candidates: frozenset[str] | None = None
     tpot_budget_s: float | None = None
     predicted_output: int = 0
+    # Its expected engine work (``admission.queue_order`` "least-work"): uncached prompt
+    # tokens on its best engine plus its predicted output at admission.output_token_work.
+    work_order: float = 0.0
+    alone_s: float = 0.0  # its projection on an idle engine: the least TTFT it may see
     output_keys: list[Key] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)  # prompt block hashes (prefix index)
     # The prompt's token IDs as the engine computes them (only where KV events are used).
@@ -154,7 +159,11 @@ class Scheduler:
                 return Refuse(errors.tpot_over_budget(min(c.tpot_s for c in cands),
                                                       t.tpot_budget_s))
             cands = fit
-        waiting = self.queue_wait_s(now)
+        adm = self.config.admission
+        if adm.queue_order == "least-work":
+            t.work_order = (min(c.work for c in cands)
+                            + adm.output_token_work * t.predicted_output)
+        waiting = self.queue_wait_s(now, t)
         projected = min(c.ttft_s for c in cands) + waiting
         t.predicted_ttft_s = projected
         if predictive:
@@ -163,6 +172,7 @@ class Scheduler:
                 for c in cands)
             if alone > t.budget_s:
                 return Refuse(errors.prompt_too_long(alone, t.budget_s))
+            t.alone_s = alone
             calibrated = min(c.ttft_margin_s for c in cands) + waiting
             if calibrated > t.budget_s:
                 engine = self._beside_queue(t, now, predictive)
@@ -208,14 +218,20 @@ class Scheduler:
                 if id(e) in self.unclaimed]
         return self._place(t, now, free, keep_budget) if free else None
 
-    def queue_wait_s(self, now: float) -> float:
-        """How long a request joining the queue now waits before it is dispatched, at
-        the rate this queue (since it last emptied) has drained: 0 with nothing queued
-        or too few dispatches to say."""
+    def queue_wait_s(self, now: float, t: Ticket | None = None) -> float:
+        """How long request ``t`` joining the queue now waits before it is dispatched:
+        behind every queued request in FIFO order, or (least-work order) behind those
+        with no more work than its own, at the rate this queue (since it last emptied)
+        has drained: 0 with nothing ahead or too few dispatches to say. (Least-work
+        order: requests with less work arriving later overtake it, so a long wait is
+        projected short; the queue gives it up once no engine can meet its budget.)"""
         d = self.drained
         if not self.queue or len(d) < DRAIN_MIN:
             return 0.0
-        return len(self.queue) * (d[-1] - d[0]) / (len(d) - 1)
+        ahead = len(self.queue)
+        if t is not None and self.config.admission.queue_order == "least-work":
+            ahead = sum(1 for q in self.queue if q.work_order <= t.work_order)
+        return ahead * (d[-1] - d[0]) / (len(d) - 1)
 
     def _place(self, t: Ticket, now: float, projections: list[Candidate],
                keep_budget: bool = False) -> EngineState | None:
@@ -291,10 +307,20 @@ class Scheduler:
         return new
 
     def _in_order(self) -> list[Ticket]:
-        return list(self.queue)  # FIFO: the seam a priority policy replaces
+        """The queue in the order its tickets take freed slots (``admission.queue_order``):
+        arrival (FIFO), or the least expected engine work first, arrival order among
+        equals. Why least work: under a sustained overload the engines are full whatever
+        they are given, so how many requests they finish a second is set by what each
+        costs them (its prefill, and a sequence held as long as it decodes); served
+        cheapest first, the same engines finish more requests within their budgets
+        (docs/measurements.md, "Twenty-sixth session")."""
+        if self.config.admission.queue_order == "least-work":
+            return sorted(self.queue, key=_work_order)
+        return list(self.queue)
 
     def pump(self, now: float, joined: bool = False) -> list[Ticket]:
-        """Dispatch queued tickets, oldest first, while an engine has a slot. A ticket
+        """Dispatch queued tickets in queue order (``_in_order``; oldest first by
+        default) while an engine has a slot. A ticket
         that must wait claims the engines where it could still meet its budget (every
         engine it may use, without predictive admission); a later ticket is placed only
         on an engine no earlier waiting one claims. Why not stop at the first that waits
@@ -303,8 +329,8 @@ class Scheduler:
         held back every younger request that a slower engine with free slots could have
         served within its own budget (a 1.5x run: 80-90 queued while the a100 and the l4
         computed no prefill for seconds, ~1,350 of ~2,000 blocked pumps so). Nothing
-        overtakes a ticket on an engine it could use: each pump starts at the oldest, so
-        a slot freed there is its. ``LOOKAHEAD`` bounds the walk (a projection per engine
+        overtakes a ticket on an engine it could use: each pump starts at the queue's
+        first, so a slot freed there is its. ``LOOKAHEAD`` bounds the walk (a projection per engine
         per ticket).
 
         Predictive admission gives up a queued request once no engine could meet its
@@ -352,13 +378,26 @@ class Scheduler:
                 if not open_ or (slots and not self._any_slot(open_)):
                     break  # nothing left that a later ticket could take
                 continue
-            self.queue.remove(t)
-            self.queued_tokens -= t.tokens
-            t.queued_at = None
-            self.drained.append(now)
-            out.append(t)
+            self._take(t, now, out)
+        if predictive and self.config.admission.queue_order == "least-work":
+            # The walk may never reach the requests with the most work while less keeps
+            # arriving (it stops at LOOKAHEAD, or where no engine is left): give up those
+            # that could not meet their budgets on an idle engine any more, rather than
+            # hold them to admission.max_wait_ms or their deadlines.
+            for t in [q for q in self.queue if now - q.arrival + q.alone_s > q.budget_s]:
+                t.refusal = errors.projected_over_budget(now - t.arrival + t.alone_s,
+                                                         t.budget_s)
+                self._take(t, now, out)
         self.unclaimed = {id(e) for e in engines if id(e) not in claimed}
         return out
+
+    def _take(self, t: Ticket, now: float, out: list[Ticket]) -> None:
+        """``t`` leaves the queue, dispatched or refused (``Ticket.refusal``)."""
+        self.queue.remove(t)
+        self.queued_tokens -= t.tokens
+        t.queued_at = None
+        self.drained.append(now)
+        out.append(t)
 
     def _any_slot(self, engines: list[EngineState]) -> bool:
         cfg = self.config.scheduler
@@ -408,6 +447,10 @@ class Scheduler:
             e.prefix.insert(blocks[::-1])
         if e.retired and e.in_flight == 0:
             self.pool.sweep()
+
+
+def _work_order(t: Ticket) -> float:
+    return t.work_order
 
 
 def _book(e: EngineState, t: Ticket) -> None:
