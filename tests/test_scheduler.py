@@ -503,16 +503,24 @@ def test_requests_ahead_in_prefill_count_as_the_decodes_they_become():
     assert router.scheduler.admit(ticket(router, 10), clock.t).engine is not None
 
 
+def both_slots_taken(**admission) -> tuple[Router, Clock, list[Ticket]]:
+    """One prefill slot per engine, each taken by a request with a 60 s budget (returned
+    in dispatch order): what arrives next queues."""
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1},
+                                   admission=admission)
+    running = [ticket(router, 10, budget_s=60) for _ in range(2)]
+    for t in running:
+        assert isinstance(router.scheduler.admit(t, clock.t), Dispatch)
+    return router, clock, running
+
+
 def test_a_queue_draining_slowly_is_charged_at_its_measured_rate():
     # One prefill slot per engine and prompts the engines prefill in milliseconds: at
     # prefill speed the queue costs nothing, but it drains one request per 0.5 s (each
     # slot frees at a first token). A request behind four queued ones waits ~2 s: over a
     # 1 s budget, refused; the old projection (queued work at prefill speed) admitted it.
-    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1})
+    router, clock, running = both_slots_taken()
     s = router.scheduler
-    running = [ticket(router, 10, budget_s=60) for _ in range(2)]
-    for t in running:
-        assert isinstance(s.admit(t, clock.t), Dispatch)
     queued = [ticket(router, 10, budget_s=60) for _ in range(14)]
     for t in queued:
         assert isinstance(s.admit(t, clock.t), Queued)
@@ -538,12 +546,8 @@ def test_a_queue_wait_past_the_admission_wait_limit_is_refused_at_once():
     # allow that wait is refused now (429, Retry-After 1), not queued to expire 504
     # after 1.5 s; with the default 10 s it joins the queue.
     for max_wait_ms, queued in ((1500, False), (10_000, True)):
-        router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1},
-                                       admission={"max_wait_ms": max_wait_ms})
+        router, clock, running = both_slots_taken(max_wait_ms=max_wait_ms)
         s = router.scheduler
-        running = [ticket(router, 10, budget_s=60) for _ in range(2)]
-        for t in running:
-            assert isinstance(s.admit(t, clock.t), Dispatch)
         for _ in range(14):  # no drain rate measured yet: no wait charged
             assert isinstance(s.admit(ticket(router, 10, budget_s=60), clock.t), Queued)
         for _ in range(10):
@@ -566,12 +570,8 @@ def test_least_work_order_gives_a_freed_slot_to_the_request_with_the_least_work(
     # at 4 prompt tokens an output token (the default), 1,210, 400 and 170 tokens of
     # work. FIFO serves them in that order; least-work from the least work up.
     for order, served in (("fifo", [1210, 400, 170]), ("least-work", [170, 400, 1210])):
-        router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1},
-                                       admission={"queue_order": order})
+        router, clock, running = both_slots_taken(queue_order=order)
         s = router.scheduler
-        running = [ticket(router, 10, budget_s=60) for _ in range(2)]
-        for t in running:
-            assert isinstance(s.admit(t, clock.t), Dispatch)
         work = {}
         for tokens, output in ((10, 300), (400, 0), (10, 40)):
             t = ticket(router, tokens, budget_s=60)
@@ -597,13 +597,9 @@ def test_least_work_order_charges_a_joining_request_the_wait_behind_less_work():
     # (work 10, 10, 100, 10): a 10 and three 100s, all with no more than its 150.
     cases = (("fifo", 4.0, 2.0), ("least-work", 4.0, 0.5), ("least-work", 0.0, 2.0))
     for order, per_output, wait in cases:
-        router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1},
-                                       admission={"queue_order": order,
-                                                  "output_token_work": per_output})
+        router, clock, running = both_slots_taken(queue_order=order,
+                                                  output_token_work=per_output)
         s = router.scheduler
-        running = [ticket(router, 10, budget_s=60) for _ in range(2)]
-        for t in running:
-            s.admit(t, clock.t)
         for _ in range(3):
             for tokens, output in ((10, 20), (10, 40), (100, 100), (10, 500)):
                 t = ticket(router, tokens, budget_s=60)
@@ -631,11 +627,8 @@ def test_least_work_order_gives_up_a_request_it_never_reaches_once_out_of_budget
     # first cheap one (no engine has a slot), so it never reaches the expensive one; once
     # it has waited so long that even an idle engine could not serve it within its budget
     # it is given up (429, its overrun), and the cheap ones stay queued.
-    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1},
-                                   admission={"queue_order": "least-work"})
+    router, clock, _ = both_slots_taken(queue_order="least-work")
     s = router.scheduler
-    for _ in range(2):
-        assert isinstance(s.admit(ticket(router, 10, budget_s=60), clock.t), Dispatch)
     big = ticket(router, 2000, budget_s=2.0)
     assert isinstance(s.admit(big, clock.t), Queued)
     assert 0 < big.alone_s < 2.0
