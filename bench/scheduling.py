@@ -23,10 +23,11 @@ refused), predictive with the prefix-affinity scorer, predictive on two worker p
 configured with a TTFT target of 0.4 of the budget (``predictive-t40``,
 ``predictive-noprefix-t40``: a shorter queue, its goodput judged against the budget),
 predictive with the queue served least expected work first (``predictive-least-work``,
-``predictive-noprefix-least-work``: ``admission.queue_order: least-work``), Envoy
-round robin, and `vllm-router` (PyPI) `power_of_two` and `cache_aware`. Per policy and
-load: goodput (completed requests per second within the TTFT budget) over the cell and over
-its second half (the steady state of a sustained overload: use a long ``--duration``, as
+``predictive-noprefix-least-work``: ``admission.queue_order: least-work`` with 8 prefill
+slots an engine) and FIFO with the same slots (``predictive-p8``), Envoy round robin,
+and `vllm-router` (PyPI) `power_of_two` and `cache_aware`. Per policy and load: goodput
+(completed requests per second within the TTFT budget) over the cell and over its second
+half (the steady state of a sustained overload: use a long ``--duration``, as
 routers without admission serve nothing in budget once their queues are a budget deep),
 % of admitted within budget, TTFT and TPOT p50/p99, refusal rate, Narwhal's TTFT prediction error p50/p90 and
 MAPE (header x-narwhal-predicted-ttft-ms against the client's measurement), its output
@@ -71,7 +72,7 @@ WORDS = ("narwhal tusk ocean arctic ice whale pod swim deep cold water light wav
          "engine token prefill decode budget queue admit place stream chunk").split()
 POLICIES = ("predictive", "open", "predictive-noprefix", "open-noprefix", "predictive-affinity",
             "predictive-t40", "predictive-noprefix-t40", "predictive-least-work",
-            "predictive-noprefix-least-work",
+            "predictive-noprefix-least-work", "predictive-p8",
             "predictive-workers2", "round-robin", "vllm-router-p2", "vllm-router-cache")
 
 
@@ -439,8 +440,12 @@ NARWHAL = {"predictive": ("predictive", {}), "open": ("open", {}),
                                                               "prefix-affinity": 0.5}}),
            "predictive-t40": ("predictive", {}),
            "predictive-noprefix-t40": ("predictive", {"prefix_index_blocks": 0}),
-           "predictive-least-work": ("predictive", {}),
-           "predictive-noprefix-least-work": ("predictive", {"prefix_index_blocks": 0})}
+           # the least-work order acts on Narwhal's own queue: with 8 prefill slots an
+           # engine, not 256, requests wait there rather than in the engine's FCFS queue
+           "predictive-least-work": ("predictive", {"max_prefill_per_engine": 8}),
+           "predictive-noprefix-least-work": ("predictive", {"prefix_index_blocks": 0,
+                                                             "max_prefill_per_engine": 8}),
+           "predictive-p8": ("predictive", {"max_prefill_per_engine": 8})}
 
 # Narwhal's variants configured with a TTFT target below the budget the cell measures
 # goodput against (a shorter queue under overload: docs/measurements.md, "Twenty-first session").
@@ -654,7 +659,9 @@ def run_drift(args: argparse.Namespace, mix: Mix, load: float) -> dict:
     """Narwhal predictive; the fastest engine halves its speed at duration / 3."""
     pool = Stack(sims=sims(args.time_scale), model=MODEL).start_sims()
     budget_s = args.budget_ms * args.time_scale / 1000
-    stack = narwhal_stack(pool, "predictive", round(budget_s * 1000))
+    mode, scheduler = NARWHAL[args.drift_policy]
+    stack = narwhal_stack(pool, mode, round(budget_s * 1000), scheduler,
+                          SERVING.get(args.drift_policy), ADMISSION.get(args.drift_policy))
     name, port = pool.sims[0].name, pool.sims[0].port
     marks: dict[str, float] = {}
 
@@ -738,6 +745,9 @@ def main() -> int:
                         help="how much slower than the GPU profiles the engines run")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--drift", action="store_true", help="add the drift scenario")
+    parser.add_argument("--drift-policy", default="predictive",
+                        choices=[p for p in POLICIES if p in NARWHAL],
+                        help="the Narwhal policy the drift scenario runs (default predictive)")
     parser.add_argument("--plot", help="write a PNG of goodput and in-budget %% against load")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--samples", default="",
@@ -782,7 +792,7 @@ def main() -> int:
           f"{args.loads} --budget-ms {args.budget_ms} --time-scale {args.time_scale:g} "
           f"--policies {args.policies} --seed {args.seed} --workload {args.workload} "
           f"--tenants {args.tenants} --warmup {args.warmup:g}"
-          f"{' --drift' if args.drift else ''}")
+          f"{' --drift --drift-policy ' + args.drift_policy if args.drift else ''}")
     print(f"{'policy':19} {'load':>4} {'req/s':>6} {'goodput':>7} {'2nd half':>8} {'in-budget':>9} "
           f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TPOT p50':>8} {'p99':>6} {'refused':>7} "
           f"{'pred p50/p90/MAPE':>19} {'out MAPE':>8} {'hit':>5} {'hit gap':>7} {'full':>5}")
@@ -797,7 +807,8 @@ def main() -> int:
               f"{_fmt(s.get('hit_gap'), True):>7} {_fmt(s.get('full'), True):>5}")
     if drift is not None:
         d = drift["detect_s"]
-        print(f"drift (h100 halves its speed at {args.duration / 3:.0f} s, load 1.0): detected "
+        print(f"drift ({args.drift_policy}; h100 halves its speed at {args.duration / 3:.0f} s, "
+              f"load 1.0): detected "
               f"after {'-' if d is None else f'{d:.1f} s'} (GPU-equivalent); "
               f"{drift['late']}/{drift['admitted']} of its admitted requests out of budget "
               f"meanwhile; run goodput {drift['summary']['goodput']:.2f} req/s, in budget "
