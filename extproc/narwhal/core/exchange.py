@@ -523,8 +523,9 @@ class Exchange:
             # The budget's wait is over: the stall timeout alone now. Only where that is
             # sooner than the timer armed (a budget past the stall timeout); otherwise
             # the timer re-arms lazily when it fires, and no timer moves per request.
-            if self.wake_at is not None and self._stall_end() < self.wake_at:
-                self._arm_stall()
+            stall_end = self._stall_end()
+            if self.wake_at is not None and stall_end < self.wake_at:
+                self._arm_stall(stall_end)
         self.last_token_at = now
 
     def _computed_usage(self) -> dict[str, int]:
@@ -649,8 +650,10 @@ class Exchange:
         self._arm(self.deadline if wait_end is None else min(wait_end, self.deadline))
         return []
 
-    def _arm_stall(self) -> None:
-        stall_end = self._stall_end()
+    def _arm_stall(self, stall_end: float | None = None) -> None:
+        """Arm the stall timer (``stall_end``: ``_stall_end()``, where already computed)."""
+        if stall_end is None:
+            stall_end = self._stall_end()
         self._arm(stall_end if self.relay is not None else min(stall_end, self.deadline))
 
     def _stall_end(self) -> float:

@@ -103,6 +103,7 @@ class Scheduler:
         self.pool = pool
         self.learning = learning
         self.pipeline = Pipeline(config.scheduler)
+        self.least_work = config.admission.queue_order == "least-work"  # else FIFO
         self.queue: deque[Ticket] = deque()
         self.tokenizer: Any = None  # sizing.tokenizer's, for the prefix index (router sets)
         self.prompt_ids: PromptIds | None = None  # with KV events: exact prompt IDs
@@ -160,7 +161,7 @@ class Scheduler:
                                                       t.tpot_budget_s))
             cands = fit
         adm = self.config.admission
-        if adm.queue_order == "least-work":
+        if self.least_work:
             t.work_order = (min(c.work for c in cands)
                             + adm.output_token_work * t.predicted_output)
         waiting = self.queue_wait_s(now, t)
@@ -185,9 +186,9 @@ class Scheduler:
             engine = self._beside_queue(t, now, predictive)
         if engine is not None:
             return Dispatch(engine)
-        if len(self.queue) >= self.config.admission.queue_limit:
+        if len(self.queue) >= adm.queue_limit:
             return Refuse(errors.queue_full())
-        max_wait_s = self.config.admission.max_wait_ms / 1000
+        max_wait_s = adm.max_wait_ms / 1000
         if predictive and waiting > max_wait_s:
             # A budget longer than the queue may hold a request (x-slo-ttft-ms past
             # admission.max_wait_ms): queued, it would wait out max_wait_ms and end 504;
@@ -229,7 +230,7 @@ class Scheduler:
         if not self.queue or len(d) < DRAIN_MIN:
             return 0.0
         ahead = len(self.queue)
-        if t is not None and self.config.admission.queue_order == "least-work":
+        if t is not None and self.least_work:
             ahead = sum(1 for q in self.queue if q.work_order <= t.work_order)
         return ahead * (d[-1] - d[0]) / (len(d) - 1)
 
@@ -314,7 +315,7 @@ class Scheduler:
         costs them (its prefill, and a sequence held as long as it decodes); served
         cheapest first, the same engines finish more requests within their budgets
         (docs/measurements.md, "Twenty-sixth session")."""
-        if self.config.admission.queue_order == "least-work":
+        if self.least_work:
             return sorted(self.queue, key=_work_order)
         return list(self.queue)
 
@@ -379,7 +380,7 @@ class Scheduler:
                     break  # nothing left that a later ticket could take
                 continue
             self._take(t, now, out)
-        if predictive and self.config.admission.queue_order == "least-work":
+        if predictive and self.least_work:
             # The walk may never reach the requests with the most work while less keeps
             # arriving (it stops at LOOKAHEAD, or where no engine is left): give up those
             # that could not meet their budgets on an idle engine any more, rather than
@@ -393,9 +394,7 @@ class Scheduler:
 
     def _take(self, t: Ticket, now: float, out: list[Ticket]) -> None:
         """``t`` leaves the queue, dispatched or refused (``Ticket.refusal``)."""
-        self.queue.remove(t)
-        self.queued_tokens -= t.tokens
-        t.queued_at = None
+        self.dequeue(t)
         self.drained.append(now)
         out.append(t)
 
