@@ -59,6 +59,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 import orjson
+import yaml
 
 from bench import scratch, vllm_router_exe
 from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, plain_envoy, wait_http
@@ -381,7 +382,7 @@ def calibrate(args: argparse.Namespace, mix: Mix) -> float:
     patience_ms = 600_000
     mode, scheduler = NARWHAL[args.calibrate_with]
     stack = narwhal_stack(pool, mode, patience_ms, scheduler,
-                          {"engine_stall_timeout_ms": patience_ms})
+                          {"engine_stall_timeout_ms": patience_ms}, overrides=args.set)
     try:
         t0 = time.monotonic()
         results = asyncio.run(saturate(f"{stack.url}/v1/chat/completions",
@@ -464,7 +465,8 @@ SERVING = {"predictive-workers2": {"workers": 2}}
 
 def narwhal_stack(pool: Stack, mode: str, budget_ms: int,
                   scheduler: dict | None = None, serving: dict | None = None,
-                  admission: dict | None = None) -> Stack:
+                  admission: dict | None = None,
+                  overrides: dict[str, dict] | None = None) -> Stack:
     engines = [{"name": s.name, "url": f"http://127.0.0.1:{s.port}", "dialect": "vllm"}
                for s in pool.sims]
     config = {"admission": {"mode": mode, "ttft_target_ms": budget_ms, "queue_limit": 1024,
@@ -473,6 +475,8 @@ def narwhal_stack(pool: Stack, mode: str, budget_ms: int,
               "scheduler": {"max_prefill_per_engine": 256, "max_decode_per_engine": 256,
                             **(scheduler or {})},
               "engines": engines}
+    for section, values in (overrides or {}).items():
+        config[section] = {**config.get(section, {}), **values}
     if serving:
         config["serving"] = {"extproc_socket": str(Path(tempfile.mkdtemp(prefix="nw-"))
                                                    / "x.sock"), **serving}
@@ -586,7 +590,7 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace, mix: M
             mode, scheduler = NARWHAL[policy]
             target_ms = round(budget_s * 1000 * TARGET_SHARE.get(policy, 1.0))
             stack = narwhal_stack(pool, mode, target_ms, scheduler, SERVING.get(policy),
-                                  ADMISSION.get(policy))
+                                  ADMISSION.get(policy), args.set)
             url, stop = f"{stack.url}/v1/chat/completions", stack.stop
         elif policy == "round-robin":
             envoy, port = plain_envoy(REPO_ROOT / "bench" / "envoy-roundrobin.yaml", workdir,
@@ -661,7 +665,8 @@ def run_drift(args: argparse.Namespace, mix: Mix, load: float) -> dict:
     budget_s = args.budget_ms * args.time_scale / 1000
     mode, scheduler = NARWHAL[args.drift_policy]
     stack = narwhal_stack(pool, mode, round(budget_s * 1000), scheduler,
-                          SERVING.get(args.drift_policy), ADMISSION.get(args.drift_policy))
+                          SERVING.get(args.drift_policy), ADMISSION.get(args.drift_policy),
+                          args.set)
     name, port = pool.sims[0].name, pool.sims[0].port
     marks: dict[str, float] = {}
 
@@ -728,6 +733,19 @@ def plot(rows: list, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def settings(items: list[str]) -> dict[str, dict]:
+    """``--set`` arguments as config sections: ``scheduler.max_prefill_per_engine=10``
+    becomes ``{"scheduler": {"max_prefill_per_engine": 10}}``."""
+    out: dict[str, dict] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not (eq and dot and section and name):
+            raise ValueError(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        out.setdefault(section, {})[name] = yaml.safe_load(value)
+    return out
+
+
 def _fmt(x: float | None, pct: bool = False) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
@@ -764,7 +782,14 @@ def main() -> int:
     parser.add_argument("--calibrate-with", choices=("open", "open-noprefix", "predictive"),
                         default="open",
                         help="the placement that saturates the pool for --calibrate")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="a Narwhal setting over every Narwhal policy's own (repeatable; "
+                             "VALUE is YAML), e.g. scheduler.max_prefill_per_engine=10")
     args = parser.parse_args()
+    try:
+        args.set = settings(args.set)
+    except ValueError as exc:
+        parser.error(str(exc))
     mix = workload_mix(args.workload, args.tenants)
     if args.calibrate:
         print(f"throughput, every seat taken ({args.workload}, {args.calibrate_with}): "
@@ -788,11 +813,13 @@ def main() -> int:
           f"time scale {args.time_scale:g}; workload {args.workload}; TTFT budget "
           f"{args.budget_ms} ms; load 1.0 = {capacity_rps(args.time_scale):.2f} req/s "
           f"(times below are GPU-equivalent)")
+    sets = "".join(f" --set {sec}.{k}={orjson.dumps(v).decode()}"
+                   for sec, kv in args.set.items() for k, v in kv.items())
     print(f"reproduce: python -m bench.scheduling --duration {args.duration:g} --loads "
           f"{args.loads} --budget-ms {args.budget_ms} --time-scale {args.time_scale:g} "
           f"--policies {args.policies} --seed {args.seed} --workload {args.workload} "
           f"--tenants {args.tenants} --warmup {args.warmup:g}"
-          f"{' --drift --drift-policy ' + args.drift_policy if args.drift else ''}")
+          f"{' --drift --drift-policy ' + args.drift_policy if args.drift else ''}{sets}")
     print(f"{'policy':19} {'load':>4} {'req/s':>6} {'goodput':>7} {'2nd half':>8} {'in-budget':>9} "
           f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TPOT p50':>8} {'p99':>6} {'refused':>7} "
           f"{'pred p50/p90/MAPE':>19} {'out MAPE':>8} {'hit':>5} {'hit gap':>7} {'full':>5}")

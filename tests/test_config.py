@@ -42,6 +42,8 @@ def test_defaults():
      "admission.queue_order: must be one of fifo, least-work"),
     ({"admission": {"output_token_work": -1}},
      "admission.output_token_work: must not be negative"),
+    ({"scheduler": {"max_prefill_tokens_per_engine": -1}},
+     "scheduler.max_prefill_tokens_per_engine: must not be negative"),
     ({"router": {"role": "leader"}}, "router.role"),
     ({"engines": [{"name": "a"}]}, "engines[0].url: required"),
     ({"engines": [{"name": "a", "url": "ftp://x"}]}, "engines[0].url: expected http"),

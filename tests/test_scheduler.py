@@ -514,6 +514,29 @@ def both_slots_taken(**admission) -> tuple[Router, Clock, list[Ticket]]:
     return router, clock, running
 
 
+def test_prefill_token_bound_takes_a_prompt_only_where_it_fits_with_those_ahead():
+    # 500 uncached prompt tokens in prefill an engine, 8 slots. A 900-token prompt, over
+    # the bound alone, still goes where nothing prefills (fast); a 400-token one then fits
+    # only the idle slow engine, a 50-token one beside the first only where 400 + 50 fit
+    # (not fast: 950), and a second 400-token one nowhere: it queues with slots free
+    # until the 900 ahead of it on fast reach their first token.
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 8,
+                                              "max_prefill_tokens_per_engine": 500})
+    s = router.scheduler
+    fast, slow = router.engines
+    big, first, small, second = (ticket(router, n, budget_s=60) for n in (900, 400, 50, 400))
+    assert [s.admit(t, clock.t).engine for t in (big, first, small)] == [fast, slow, slow]
+    assert isinstance(s.admit(second, clock.t), Queued)
+    assert fast.prefill == 1 and slow.prefill == 2  # slots left: the tokens held it back
+    clock.t += 0.5
+    s.first_token(big, clock.t)
+    assert s.pump(clock.t) == [second] and second.engine is fast
+    # Without the bound the same requests all go at once.
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 8})
+    assert all(isinstance(router.scheduler.admit(ticket(router, n, budget_s=60), clock.t),
+                          Dispatch) for n in (900, 400, 50, 400))
+
+
 def test_a_queue_draining_slowly_is_charged_at_its_measured_rate():
     # One prefill slot per engine and prompts the engines prefill in milliseconds: at
     # prefill speed the queue costs nothing, but it drains one request per 0.5 s (each

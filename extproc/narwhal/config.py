@@ -69,6 +69,11 @@ class Admission:
 class Scheduler:
     max_prefill_per_engine: int = 4
     max_decode_per_engine: int = 64
+    # Uncached prompt tokens an engine may hold in prefill at once (0: no bound): a
+    # request goes there while its own and those ahead stay within this, or while the
+    # engine prefills nothing. Prefill slots counted in tokens, so that an engine's own
+    # queue is as many steps deep whatever the prompts' sizes.
+    max_prefill_tokens_per_engine: int = 0
     # The placement pipeline (core/placement.py): filters in order, weighted scorers, a picker.
     filters: tuple[str, ...] = ("subset", "has-slot", "tpot-budget", "kv-headroom",
                                 "verified-backlog")

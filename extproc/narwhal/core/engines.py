@@ -113,6 +113,12 @@ class EngineState:
         return (self.healthy and self.profiled and not self.maintenance and not self.retired
                 and self.fresh(now, stale_after_s))
 
-    def has_slot(self, max_prefill: int, max_decode: int) -> bool:
-        # A request in prefill will need a decode slot: book it now.
-        return self.prefill < max_prefill and self.prefill + self.decode < max_decode
+    def has_slot(self, max_prefill: int, max_decode: int, max_prefill_tokens: int = 0,
+                 work: float = 0.0) -> bool:
+        """Room for a request with ``work`` uncached prompt tokens: a prefill slot, a decode
+        slot booked now (a request in prefill will need one), and its prompt within the
+        prefill token bound unless nothing prefills here (a prompt over the bound must
+        still go somewhere)."""
+        return (self.prefill < max_prefill and self.prefill + self.decode < max_decode
+                and (not max_prefill_tokens or not self.prefill
+                     or self.prefill_work + work <= max_prefill_tokens))
