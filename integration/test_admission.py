@@ -142,6 +142,32 @@ def test_least_work_order_serves_the_cheaper_request_first(least_work_stack):
     assert done == [cheap, expensive]
 
 
+@pytest.fixture(scope="module")
+def token_bound_stack():
+    yield from _stack([SimSpec("slow", args=["--slow-start-ms", "3000"])],
+                      {"admission": {"mode": "open", "queue_limit": 4},
+                       "scheduler": {"max_prefill_per_engine": 4, "max_decode_per_engine": 4,
+                                     "max_prefill_tokens_per_engine": 100}})
+
+
+def test_a_prompt_over_the_prefill_token_bound_waits_with_slots_free(token_bound_stack):
+    """scheduler.max_prefill_tokens_per_engine 100: while a short prompt is in prefill (its
+    first token held 3 s by the engine), a ~400-token prompt queues though 3 of 4 prefill
+    slots are free, and goes once the first request's prefill ends (without the bound it
+    would go at once: slots free)."""
+    st = token_bound_stack
+    held = background(st, {"max_tokens": 2}, {"x-sim-fault": "slow-start"})
+    wait_for(st, lambda s: s["engines"][0]["prefill"] == 1)
+    long_prompt = [{"role": "user", "content": "narwhal " * 200}]
+    big = background(st, {"max_tokens": 2, "messages": long_prompt})
+    queued = wait_for(st, lambda s: s["requests"]["queued"] == 1)
+    assert queued["engines"][0]["prefill"] == 1  # slots free: the tokens held it back
+    assert held.result().status_code == 200
+    assert big.result().status_code == 200
+    st_after = wait_for(st, lambda s: s["requests"]["in_flight"] == 0)
+    assert st_after["engines"][0]["prefill_work"] == 0
+
+
 def test_client_leaving_the_queue_frees_its_place(queue_stack):
     first = background(queue_stack, {"max_tokens": 150})  # ~1.5 s: outlives the leaver
     wait_for(queue_stack, lambda s: s["engines"][0]["in_flight"] == 1)
