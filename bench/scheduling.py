@@ -23,8 +23,10 @@ refused), predictive with the prefix-affinity scorer, predictive on two worker p
 configured with a TTFT target of 0.4 of the budget (``predictive-t40``,
 ``predictive-noprefix-t40``: a shorter queue, its goodput judged against the budget),
 predictive with the queue served least expected work first (``predictive-least-work``,
-``predictive-noprefix-least-work``: ``admission.queue_order: least-work`` with 8 prefill
-slots an engine) and FIFO with the same slots (``predictive-p8``), Envoy round robin,
+``predictive-noprefix-least-work``: ``admission.queue_order: least-work`` with at most
+1,536 uncached prompt tokens in prefill an engine), FIFO with the same bound
+(``predictive-tokens``) and with 8 prefill slots an engine (``predictive-p8``), Envoy
+round robin,
 and `vllm-router` (PyPI) `power_of_two` and `cache_aware`. Per policy and load: goodput
 (completed requests per second within the TTFT budget) over the cell and over its second
 half (the steady state of a sustained overload: use a long ``--duration``, as
@@ -73,7 +75,7 @@ WORDS = ("narwhal tusk ocean arctic ice whale pod swim deep cold water light wav
          "engine token prefill decode budget queue admit place stream chunk").split()
 POLICIES = ("predictive", "open", "predictive-noprefix", "open-noprefix", "predictive-affinity",
             "predictive-t40", "predictive-noprefix-t40", "predictive-least-work",
-            "predictive-noprefix-least-work", "predictive-p8",
+            "predictive-noprefix-least-work", "predictive-tokens", "predictive-p8",
             "predictive-workers2", "round-robin", "vllm-router-p2", "vllm-router-cache")
 
 
@@ -432,6 +434,9 @@ def sims(scale: float) -> list[SimSpec]:
             for name, profile in ENGINES]
 
 
+# Prefill bounded in tokens, not requests (docs/measurements.md, "Twenty-seventh session").
+TOKEN_BOUND = {"max_prefill_per_engine": 64, "max_prefill_tokens_per_engine": 1536}
+
 # Narwhal's variants: the scheduler settings each adds to the defaults.
 NARWHAL = {"predictive": ("predictive", {}), "open": ("open", {}),
            "predictive-noprefix": ("predictive", {"prefix_index_blocks": 0}),
@@ -441,11 +446,13 @@ NARWHAL = {"predictive": ("predictive", {}), "open": ("open", {}),
                                                               "prefix-affinity": 0.5}}),
            "predictive-t40": ("predictive", {}),
            "predictive-noprefix-t40": ("predictive", {"prefix_index_blocks": 0}),
-           # the least-work order acts on Narwhal's own queue: with 8 prefill slots an
-           # engine, not 256, requests wait there rather than in the engine's FCFS queue
-           "predictive-least-work": ("predictive", {"max_prefill_per_engine": 8}),
+           # the least-work order acts on Narwhal's own queue: with at most 1,536 uncached
+           # prompt tokens in prefill an engine (three quarters of the profiles' 2,048-token
+           # step), not 256 requests, they wait there rather than in the engine's FCFS queue
+           "predictive-least-work": ("predictive", TOKEN_BOUND),
            "predictive-noprefix-least-work": ("predictive", {"prefix_index_blocks": 0,
-                                                             "max_prefill_per_engine": 8}),
+                                                             **TOKEN_BOUND}),
+           "predictive-tokens": ("predictive", TOKEN_BOUND),
            "predictive-p8": ("predictive", {"max_prefill_per_engine": 8})}
 
 # Narwhal's variants configured with a TTFT target below the budget the cell measures
