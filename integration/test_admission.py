@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import itertools
 import os
@@ -144,28 +145,37 @@ def test_least_work_order_serves_the_cheaper_request_first(least_work_stack):
 
 @pytest.fixture(scope="module")
 def token_bound_stack():
-    yield from _stack([SimSpec("slow", args=["--slow-start-ms", "3000"])],
+    yield from _stack([SimSpec("slow", args=["--slow-start-ms", "600000"])],
                       {"admission": {"mode": "open", "queue_limit": 4},
                        "scheduler": {"max_prefill_per_engine": 4, "max_decode_per_engine": 4,
                                      "max_prefill_tokens_per_engine": 100}})
 
 
 def test_a_prompt_over_the_prefill_token_bound_waits_with_slots_free(token_bound_stack):
-    """scheduler.max_prefill_tokens_per_engine 100: while a short prompt is in prefill (its
-    first token held 3 s by the engine), a ~400-token prompt queues though 3 of 4 prefill
-    slots are free, and goes once the first request's prefill ends (without the bound it
-    would go at once: slots free)."""
+    """scheduler.max_prefill_tokens_per_engine 100: while a short prompt is in prefill (the
+    engine holds its first token until its client leaves), a ~400-token prompt queues
+    though 3 of 4 prefill slots are free, and goes once the first request's prefill ends
+    (without the bound it would go at once: slots free)."""
     st = token_bound_stack
-    held = background(st, {"max_tokens": 2}, {"x-sim-fault": "slow-start"})
-    wait_for(st, lambda s: s["engines"][0]["prefill"] == 1)
-    long_prompt = [{"role": "user", "content": "narwhal " * 200}]
-    big = background(st, {"max_tokens": 2, "messages": long_prompt})
-    queued = wait_for(st, lambda s: s["requests"]["queued"] == 1)
-    assert queued["engines"][0]["prefill"] == 1  # slots free: the tokens held it back
-    assert held.result().status_code == 200
-    assert big.result().status_code == 200
-    st_after = wait_for(st, lambda s: s["requests"]["in_flight"] == 0)
-    assert st_after["engines"][0]["prefill_work"] == 0
+
+    async def scenario() -> int:
+        async with httpx.AsyncClient(timeout=60) as client:
+            def send(messages: list, headers: dict | None = None) -> asyncio.Task:
+                return asyncio.create_task(client.post(
+                    f"{st.url}{CHAT}", json={"model": MODEL, "messages": messages,
+                                             "max_tokens": 2}, headers=headers or {}))
+            held = send(MSGS, {"x-sim-fault": "slow-start"})
+            await asyncio.to_thread(wait_for, st, lambda s: s["engines"][0]["prefill"] == 1)
+            big = send([{"role": "user", "content": "narwhal " * 200}])
+            queued = await asyncio.to_thread(wait_for, st,
+                                             lambda s: s["requests"]["queued"] == 1)
+            assert queued["engines"][0]["prefill"] == 1  # slots free: the tokens held it
+            held.cancel()  # its client leaves: the engine prefills nothing now
+            return (await big).status_code
+
+    assert asyncio.run(scenario()) == 200
+    after = wait_for(st, lambda s: s["requests"]["in_flight"] == 0)
+    assert after["engines"][0]["prefill_work"] == 0
 
 
 def test_client_leaving_the_queue_frees_its_place(queue_stack):
