@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import EngineConfig
+from ..config import Scheduler as SchedulerConfig
 from .calibration import Calibration
 from .kv_events import KvBlocks
 from .perf import PerfModel
@@ -113,12 +114,12 @@ class EngineState:
         return (self.healthy and self.profiled and not self.maintenance and not self.retired
                 and self.fresh(now, stale_after_s))
 
-    def has_slot(self, max_prefill: int, max_decode: int, max_prefill_tokens: int = 0,
-                 work: float = 0.0) -> bool:
+    def has_slot(self, cfg: SchedulerConfig, work: float = 0.0) -> bool:
         """Room for a request with ``work`` uncached prompt tokens: a prefill slot, a decode
         slot booked now (a request in prefill will need one), and its prompt within the
         prefill token bound unless nothing prefills here (a prompt over the bound must
         still go somewhere)."""
-        return (self.prefill < max_prefill and self.prefill + self.decode < max_decode
-                and (not max_prefill_tokens or not self.prefill
-                     or self.prefill_work + work <= max_prefill_tokens))
+        bound = cfg.max_prefill_tokens_per_engine
+        return (self.prefill < cfg.max_prefill_per_engine
+                and self.prefill + self.decode < cfg.max_decode_per_engine
+                and (not bound or not self.prefill or self.prefill_work + work <= bound))

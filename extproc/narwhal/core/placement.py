@@ -119,8 +119,7 @@ def _subset(t: Ticket, cands: list[Candidate], cfg: SchedulerConfig) -> list[Can
 
 def _has_slot(t: Ticket, cands: list[Candidate], cfg: SchedulerConfig) -> list[Candidate]:
     return [c for c in cands
-            if c.engine.has_slot(cfg.max_prefill_per_engine, cfg.max_decode_per_engine,
-                                 cfg.max_prefill_tokens_per_engine, c.work)]
+            if c.engine.has_slot(cfg, c.work)]
 
 
 def _tpot_budget(t: Ticket, cands: list[Candidate], cfg: SchedulerConfig) -> list[Candidate]:

@@ -399,9 +399,7 @@ class Scheduler:
         out.append(t)
 
     def _any_slot(self, engines: list[EngineState]) -> bool:
-        cfg = self.config.scheduler
-        return any(e.has_slot(cfg.max_prefill_per_engine, cfg.max_decode_per_engine,
-                              cfg.max_prefill_tokens_per_engine) for e in engines)
+        return any(e.has_slot(self.config.scheduler) for e in engines)
 
     def dequeue(self, t: Ticket) -> None:
         if t.queued_at is not None:
