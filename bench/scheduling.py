@@ -24,7 +24,7 @@ configured with a TTFT target of 0.4 of the budget (``predictive-t40``,
 ``predictive-noprefix-t40``: a shorter queue, its goodput judged against the budget),
 predictive with the queue served least expected work first (``predictive-least-work``,
 ``predictive-noprefix-least-work``: ``admission.queue_order: least-work`` with at most
-1,536 uncached prompt tokens in prefill an engine; ``-t50``: with a TTFT target of half
+1,536 uncached prompt tokens in prefill an engine; ``-t40``: with a TTFT target of 0.4 of
 the budget, the configuration that keeps p90 TTFT low on the 48-tenant workload), FIFO
 with the same bound
 (``predictive-tokens``) and with 8 prefill slots an engine (``predictive-p8``), Envoy
@@ -77,8 +77,8 @@ WORDS = ("narwhal tusk ocean arctic ice whale pod swim deep cold water light wav
          "engine token prefill decode budget queue admit place stream chunk").split()
 POLICIES = ("predictive", "open", "predictive-noprefix", "open-noprefix", "predictive-affinity",
             "predictive-t40", "predictive-noprefix-t40", "predictive-least-work",
-            "predictive-noprefix-least-work", "predictive-least-work-t50",
-            "predictive-noprefix-least-work-t50", "predictive-tokens", "predictive-p8",
+            "predictive-noprefix-least-work", "predictive-least-work-t40",
+            "predictive-noprefix-least-work-t40", "predictive-tokens", "predictive-p8",
             "predictive-workers2", "round-robin", "vllm-router-p2", "vllm-router-cache")
 
 
@@ -455,8 +455,8 @@ NARWHAL = {"predictive": ("predictive", {}), "open": ("open", {}),
            "predictive-least-work": ("predictive", TOKEN_BOUND),
            "predictive-noprefix-least-work": ("predictive", {"prefix_index_blocks": 0,
                                                              **TOKEN_BOUND}),
-           "predictive-least-work-t50": ("predictive", TOKEN_BOUND),
-           "predictive-noprefix-least-work-t50": ("predictive", {"prefix_index_blocks": 0,
+           "predictive-least-work-t40": ("predictive", TOKEN_BOUND),
+           "predictive-noprefix-least-work-t40": ("predictive", {"prefix_index_blocks": 0,
                                                                  **TOKEN_BOUND}),
            "predictive-tokens": ("predictive", TOKEN_BOUND),
            "predictive-p8": ("predictive", {"max_prefill_per_engine": 8})}
@@ -464,15 +464,15 @@ NARWHAL = {"predictive": ("predictive", {}), "open": ("open", {}),
 # Narwhal's variants configured with a TTFT target below the budget the cell measures
 # goodput against (a shorter queue under overload: docs/measurements.md, "Twenty-first session").
 TARGET_SHARE = {"predictive-t40": 0.4, "predictive-noprefix-t40": 0.4,
-                "predictive-least-work-t50": 0.5, "predictive-noprefix-least-work-t50": 0.5}
+                "predictive-least-work-t40": 0.4, "predictive-noprefix-least-work-t40": 0.4}
 
 
 # Narwhal's variants with an admission setting of their own: the least expected work
 # first in the queue (docs/measurements.md, "Twenty-sixth session").
 LEAST_WORK = {"queue_order": "least-work"}
 ADMISSION = {"predictive-least-work": LEAST_WORK, "predictive-noprefix-least-work": LEAST_WORK,
-             "predictive-least-work-t50": LEAST_WORK,
-             "predictive-noprefix-least-work-t50": LEAST_WORK}
+             "predictive-least-work-t40": LEAST_WORK,
+             "predictive-noprefix-least-work-t40": LEAST_WORK}
 
 
 # Narwhal's variants that change how it is served, not how it schedules.
