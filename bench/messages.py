@@ -1,6 +1,6 @@
 """Per-message cost of Narwhal's ext_proc server path, in process, without sockets.
 
-    python -m bench.messages [--events N | --requests N] [--reps R]
+    python -m bench.messages [--events N | --requests N] [--reps R] [--opcodes]
 
 An ``h2`` client opens one ext_proc stream on a ``GrpcConnection`` (Narwhal's HTTP/2 and
 gRPC layers, the ext_proc adapter, the driver and the exchange, as served), takes a
@@ -13,15 +13,29 @@ placement, learning and assembly included). It prints the median over R runs. Ke
 costs are not in it, which is the point: it isolates what Narwhal's own Python costs per
 token event, for profiling (``python -m cProfile -m bench.messages``) and before/after
 comparisons of the hot path. ``make bench`` measures the whole data path.
+
+``--opcodes`` counts the bytecode instructions the interpreter executes per unit instead
+of timing it (``sys.settrace`` with opcode events, so ~50x slower), by module and
+function: where the interpreter's work is, in a count that does not move with this
+machine's noise (medians of times move by 5-10% between runs) and without cProfile's
+per-call overhead, which inflates call-heavy code. It is not a measure of time: a change
+that trades bytecode for C calls that allocate can count less and cost more (measured:
+a set difference per token event in the assembler, -35% of its instructions, +7% of its
+time), so changes are judged by time, side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import functools
 import statistics
+import sys
 import time
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Any
 
 import h2.config
 import h2.connection
@@ -74,6 +88,64 @@ def _message(req: pb.ProcessingRequest) -> bytes:
 def _headers(values: dict[str, str]) -> pb.HttpHeaders:
     return pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
         base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]))
+
+
+class Opcodes:
+    """Bytecode instructions executed while active, by code object."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[CodeType] = collections.Counter()
+
+    def _local(self, frame: FrameType, event: str, arg: Any) -> Callable[..., Any]:
+        if event == "opcode":
+            self.counts[frame.f_code] += 1
+        return self._local
+
+    def _global(self, frame: FrameType, event: str, arg: Any) -> Callable[..., Any]:
+        frame.f_trace_opcodes = True
+        return self._local
+
+    def __enter__(self) -> None:
+        sys.settrace(self._global)
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(None)
+
+    def report(self, units: int, unit: str, top: int = 12) -> None:
+        by_module: collections.Counter[str] = collections.Counter()
+        by_function: collections.Counter[str] = collections.Counter()
+        for code, n in self.counts.items():
+            name = code.co_filename
+            module = name.split("/narwhal/")[-1] if "/narwhal/" in name else name.rsplit("/", 1)[-1]
+            by_module[module] += n
+            by_function[f"{module}:{code.co_name}"] += n
+        total = sum(by_module.values())
+        print(f"{total / units:.0f} bytecode instructions per {unit}")
+        for title, counter in (("modules", by_module), ("functions", by_function)):
+            print(f"  by {title}:")
+            for name, n in counter.most_common(top):
+                print(f"    {name:48s} {n / units:8.0f}  {n / total * 100:5.1f}%")
+
+
+# Set by --opcodes: the measured loops run under it instead of being timed.
+COUNT: Opcodes | None = None
+
+
+def _feed(conn: GrpcConnection, reads: list[bytes], measured: bool = True) -> float:
+    """Feed the reads; their time, or 0 when counting instructions instead."""
+    if not measured:
+        for data in reads:
+            conn.data_received(data)
+        return 0.0
+    if COUNT is not None:
+        with COUNT:
+            for data in reads:
+                conn.data_received(data)
+        return 0.0
+    start = time.perf_counter()
+    for data in reads:
+        conn.data_received(data)
+    return time.perf_counter() - start
 
 
 async def setup() -> tuple[GrpcConnection, Transport, h2.connection.H2Connection, Router]:
@@ -144,10 +216,7 @@ async def run(events: int) -> float:
     for _ in range(events):  # the client's own cost stays out of the timing
         client.send_data(sid, message)
         reads.append(client.data_to_send())
-    start = time.perf_counter()
-    for data in reads:
-        conn.data_received(data)
-    elapsed = time.perf_counter() - start
+    elapsed = _feed(conn, reads)
     replies = sum(len(x) for x in transport.out)
     if replies < events * len(chunk):
         raise SystemExit(f"only {replies} reply bytes for {events} events: not relayed")
@@ -189,39 +258,52 @@ def request_reads(client: h2.connection.H2Connection, chunks: int) -> list[bytes
     return reads
 
 
-async def run_requests(requests: int) -> float:
-    """Whole non-streaming requests, each on its own ext_proc stream, one after another."""
+async def run_requests(requests: int, warm: int = 0) -> float:
+    """Whole non-streaming requests, each on its own ext_proc stream, one after another;
+    the first ``warm`` of them are not measured."""
     conn, transport, client, router = await setup()
     total = 0.0
-    for _ in range(requests):
+    for i in range(warm + requests):
         reads = request_reads(client, 8)
-        start = time.perf_counter()
-        for data in reads:
-            conn.data_received(data)
-        total += time.perf_counter() - start
+        total += _feed(conn, reads, i >= warm)
         exchange_bytes(conn, transport, client)
     if conn.streams:
         raise SystemExit(f"{len(conn.streams)} ext_proc streams still open")
     [engine] = router.engines
-    if engine.dispatched != requests:
-        raise SystemExit(f"{requests - engine.dispatched} of {requests} requests not "
-                         "placed: the run measured refusals")
+    if engine.dispatched != warm + requests:
+        raise SystemExit(f"{warm + requests - engine.dispatched} of {warm + requests} "
+                         "requests not placed: the run measured refusals")
     return total / requests
 
 
 def main() -> int:
+    global COUNT
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--requests", type=int, default=0,
                         help="measure whole non-streaming requests instead of token events")
+    parser.add_argument("--opcodes", action="store_true",
+                        help="count bytecode instructions per unit (after as many unmeasured "
+                             "requests as measured) instead of timing")
     args = parser.parse_args()
     if args.requests:
         n, flag = args.requests, "--requests"
         unit = "non-streaming request of 16 tokens in 8 chunks, 12 messages"
-        runs = [asyncio.run(run_requests(n)) for _ in range(args.reps)]
     else:
         n, flag, unit = args.events, "--events", "token-event message"
+    if args.opcodes:
+        COUNT = Opcodes()
+        if args.requests:
+            asyncio.run(run_requests(n, warm=n))
+        else:
+            asyncio.run(run(n))
+        COUNT.report(n, unit)
+        print(f"reproduce: python -m bench.messages {flag} {n} --opcodes")
+        return 0
+    if args.requests:
+        runs = [asyncio.run(run_requests(n)) for _ in range(args.reps)]
+    else:
         runs = [asyncio.run(run(n)) for _ in range(args.reps)]
     print(f"ext_proc server path, in process: {statistics.median(runs) * 1e6:.2f} us per "
           f"{unit} (median of {args.reps} x {n}; min {min(runs) * 1e6:.2f})")

@@ -63,6 +63,26 @@ def test_sse_events_do_not_depend_on_chunking(payloads, cuts):
 
 
 @SETTINGS
+@given(st.lists(st.sampled_from([b"data: {\"a\": 1}", b"data: [DONE]", b"data:x", b"data: ",
+                                 b"data: a\r", b": keep-alive", b"event: e", b"id: 1", b"",
+                                 b"data: data: ", b"dat", b"\r"]), max_size=12),
+       st.integers(8, 40))
+def test_sse_whole_chunk_parses_as_byte_by_byte(lines, limit):
+    """The parser's shortcuts for a chunk of whole events find what its line loop finds
+    one byte at a time: the same payloads, or the same refusal of an oversized event."""
+    stream = b"\n".join(lines) + b"\n\n"
+
+    def parse(parts: list[bytes]) -> list[bytes] | str:
+        parser = SSEParser(max_event_bytes=limit)
+        try:
+            return [e for part in parts for e in parser.feed(part)] + parser.close()
+        except SSEError:
+            return "refused"
+
+    assert parse([stream]) == parse([stream[i:i + 1] for i in range(len(stream))])
+
+
+@SETTINGS
 @given(st.binary(max_size=400), st.lists(st.integers(0, 500), max_size=6))
 def test_sse_parser_only_raises_its_own_error(data, cuts):
     parser = SSEParser(max_event_bytes=64)

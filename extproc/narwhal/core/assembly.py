@@ -130,9 +130,10 @@ class Assembler:
                 state.prompt_token_ids = ptids
 
     def _chat_choice(self, state: _Choice, choice: dict[str, Any]) -> None:
-        for key, value in choice.items():
-            if key not in CHAT_CHOICE_KEYS and _has_value(value):
-                raise _unsupported(f"choice field '{key}'")
+        if not choice.keys() <= CHAT_CHOICE_KEYS:
+            for key, value in choice.items():
+                if key not in CHAT_CHOICE_KEYS and _has_value(value):
+                    raise _unsupported(f"choice field '{key}'")
         delta = choice.get("delta")
         if delta is None:
             delta = {}
@@ -224,9 +225,10 @@ class Assembler:
             tc.arguments.append(args)
 
     def _text_choice(self, state: _Choice, choice: dict[str, Any]) -> None:
-        for key, value in choice.items():
-            if key not in TEXT_CHOICE_KEYS and _has_value(value):
-                raise _unsupported(f"choice field '{key}'")
+        if not choice.keys() <= TEXT_CHOICE_KEYS:
+            for key, value in choice.items():
+                if key not in TEXT_CHOICE_KEYS and _has_value(value):
+                    raise _unsupported(f"choice field '{key}'")
         text = choice.get("text")
         if text is not None:
             if not isinstance(text, str):
