@@ -148,9 +148,11 @@ def _feed(conn: GrpcConnection, reads: list[bytes], measured: bool = True) -> fl
     return time.perf_counter() - start
 
 
-async def setup() -> tuple[GrpcConnection, Transport, h2.connection.H2Connection, Router]:
+async def setup(engines: int = 1
+                ) -> tuple[GrpcConnection, Transport, h2.connection.H2Connection, Router]:
     router = Router(parse({
-        "engines": [{"name": "a", "url": "http://127.0.0.1:9"}],
+        "engines": [{"name": f"e{i}", "url": f"http://127.0.{i // 250}.{i % 250 + 1}:9"}
+                    for i in range(engines)],
         # A run that outlasts the staleness window (under a profiler) would be refused
         # "monitoring-degraded" and measure refusals: nothing scrapes here.
         "telemetry": {"profiling": False, "stale_after_ms": 86_400_000}}))
@@ -258,10 +260,10 @@ def request_reads(client: h2.connection.H2Connection, chunks: int) -> list[bytes
     return reads
 
 
-async def run_requests(requests: int, warm: int = 0) -> float:
-    """Whole non-streaming requests, each on its own ext_proc stream, one after another;
-    the first ``warm`` of them are not measured."""
-    conn, transport, client, router = await setup()
+async def run_requests(requests: int, warm: int = 0, engines: int = 1) -> float:
+    """Whole non-streaming requests, each on its own ext_proc stream, one after another,
+    to a pool of ``engines``; the first ``warm`` of them are not measured."""
+    conn, transport, client, router = await setup(engines)
     total = 0.0
     for i in range(warm + requests):
         reads = request_reads(client, 8)
@@ -269,9 +271,9 @@ async def run_requests(requests: int, warm: int = 0) -> float:
         exchange_bytes(conn, transport, client)
     if conn.streams:
         raise SystemExit(f"{len(conn.streams)} ext_proc streams still open")
-    [engine] = router.engines
-    if engine.dispatched != warm + requests:
-        raise SystemExit(f"{warm + requests - engine.dispatched} of {warm + requests} "
+    placed = sum(e.dispatched for e in router.engines)
+    if placed != warm + requests:
+        raise SystemExit(f"{warm + requests - placed} of {warm + requests} "
                          "requests not placed: the run measured refusals")
     return total / requests
 
@@ -283,6 +285,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--requests", type=int, default=0,
                         help="measure whole non-streaming requests instead of token events")
+    parser.add_argument("--engines", default="1",
+                        help="with --requests: pool sizes, comma-separated (admission and "
+                             "placement project every engine: their cost grows with the pool)")
     parser.add_argument("--opcodes", action="store_true",
                         help="count bytecode instructions per unit (after as many unmeasured "
                              "requests as measured) instead of timing")
@@ -292,22 +297,40 @@ def main() -> int:
         unit = "non-streaming request of 16 tokens in 8 chunks, 12 messages"
     else:
         n, flag, unit = args.events, "--events", "token-event message"
+    pools = [int(x) for x in args.engines.split(",")]
     if args.opcodes:
         COUNT = Opcodes()
         if args.requests:
-            asyncio.run(run_requests(n, warm=n))
+            asyncio.run(run_requests(n, warm=n, engines=pools[0]))
         else:
             asyncio.run(run(n))
         COUNT.report(n, unit)
         print(f"reproduce: python -m bench.messages {flag} {n} --opcodes")
         return 0
-    if args.requests:
-        runs = [asyncio.run(run_requests(n)) for _ in range(args.reps)]
-    else:
+    if not args.requests:
         runs = [asyncio.run(run(n)) for _ in range(args.reps)]
-    print(f"ext_proc server path, in process: {statistics.median(runs) * 1e6:.2f} us per "
-          f"{unit} (median of {args.reps} x {n}; min {min(runs) * 1e6:.2f})")
-    print(f"reproduce: python -m bench.messages {flag} {n} --reps {args.reps}")
+        print(f"ext_proc server path, in process: {statistics.median(runs) * 1e6:.2f} us per "
+              f"{unit} (median of {args.reps} x {n}; min {min(runs) * 1e6:.2f})")
+        print(f"reproduce: python -m bench.messages --events {n} --reps {args.reps}")
+        return 0
+    # Pool sizes alternate within each repetition, so that a slow spell of this
+    # machine falls on all of them alike.
+    runs_by: dict[int, list[float]] = {p: [] for p in pools}
+    for _ in range(args.reps):
+        for p in pools:
+            runs_by[p].append(asyncio.run(run_requests(n, engines=p)))
+    for p in pools:
+        runs = runs_by[p]
+        print(f"ext_proc server path, in process, {p} engine{'s' if p > 1 else ''}: "
+              f"{statistics.median(runs) * 1e6:.2f} us per {unit} (median of "
+              f"{args.reps} x {n}; min {min(runs) * 1e6:.2f})")
+    if len(pools) > 1:
+        lo, hi = min(pools), max(pools)
+        slope = (statistics.median(runs_by[hi]) - statistics.median(runs_by[lo])) / (hi - lo)
+        print(f"each engine of the pool adds {slope * 1e6:.2f} us per request "
+              f"({lo} to {hi} engines)")
+    print(f"reproduce: python -m bench.messages --requests {n} --engines {args.engines} "
+          f"--reps {args.reps}")
     return 0
 
 
