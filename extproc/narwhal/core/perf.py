@@ -236,6 +236,8 @@ class PerfModel:
     probe_step_s: float = 0.0  # the latest profile's longest probe TTFT (see step_s)
     last_step_at: float | None = None  # the latest token seen from the engine: a step's end
     step_model: StepModel = field(default_factory=StepModel)  # which prefill each step computes
+    # ``tpot_s``'s last answer: (decodes, the TPOT fit's coefficients it used, seconds)
+    _tpot_of: tuple[int, list[float], float] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # Wide priors (a step of 1 s, 10 s per 1000 tokens are within one deviation): the
@@ -294,7 +296,15 @@ class PerfModel:
         return max(0.0, step - (now - last))
 
     def tpot_s(self, decodes: int) -> float:
-        return max(1e-4, self.tpot.predict(_tpot_features(decodes)))
+        """Asked per engine per decision with the engine's decode count, which moves far
+        less often than decisions are made: the last answer stands while the count and
+        the fit's coefficients (a new list at every refit) are the ones it was made with."""
+        theta, memo = self.tpot.theta, self._tpot_of
+        if memo is not None and memo[0] == decodes and memo[1] is theta:
+            return memo[2]
+        seconds = max(1e-4, self.tpot.predict(_tpot_features(decodes)))
+        self._tpot_of = (decodes, theta, seconds)
+        return seconds
 
     @property
     def learned_prefill_tps(self) -> float:

@@ -140,10 +140,13 @@ class Scheduler:
         if not engines:
             return Refuse(errors.backend_unavailable())
         # Queued work (if any) goes to the engines in proportion to their speed.
-        rates = [min(1e9, e.model.learned_prefill_tps) for e in engines]
-        total = sum(rates)
-        projections = [project(e, t, self.queued_tokens * r / total, now)
-                       for e, r in zip(engines, rates, strict=True)]
+        if self.queued_tokens:
+            rates = [min(1e9, e.model.learned_prefill_tps) for e in engines]
+            total = sum(rates)
+            projections = [project(e, t, self.queued_tokens * r / total, now)
+                           for e, r in zip(engines, rates, strict=True)]
+        else:
+            projections = [project(e, t, 0.0, now) for e in engines]
         cands = projections
         predictive = self.config.admission.mode == "predictive"
         if predictive and "kv-headroom" in self.config.scheduler.filters:

@@ -135,7 +135,7 @@ class StepModel:
     __slots__ = ("queue", "lengths", "errors", "judged", "step_start", "step_decodes",
                  "planned", "after", "last_token_at", "gap_s", "intake", "cap", "saturated",
                  "_seats", "_ended_decodes", "_head", "_held", "_ended_start", "_ended_before",
-                 "_bounds", "_intake_new", "_cap_new")
+                 "_bounds", "_intake_new", "_cap_new", "_best_of")
 
     def __init__(self) -> None:
         n = len(BUDGETS)
@@ -143,6 +143,9 @@ class StepModel:
         self.lengths = [StepLength() for _ in range(n)]
         self.errors = [0.0] * n  # running mean relative error of each budget's projections
         self.judged = 0  # first tokens that judged them
+        # ``_best``'s last answer and what it was computed from (the errors list, which
+        # only a first token changes, and only as it counts ``judged``)
+        self._best_of: tuple[list[float], int, int] | None = None
         self.step_start: float | None = None
         self.step_decodes = 0
         self.planned = [0.0] * n  # prefill tokens of the step under way, per budget
@@ -177,11 +180,18 @@ class StepModel:
         with noise; a budget too large projects a long backlog short (requests late: a
         1.5x run lost 56 requests on an engine of 2,048 after its choice flipped to 4,096
         at errors 0.1155 against 0.1118), one too small projects it long (refusals)."""
-        if not self.judged:
-            return DEFAULT
-        errs = self.errors
-        bound = min(errs) * (1 + NEAR)
-        return next(i for i, err in enumerate(errs) if err <= bound)
+        errs, judged, memo = self.errors, self.judged, self._best_of
+        # Asked per engine per decision (placement projects every engine), answered anew
+        # only after a first token judged the budgets (or their errors were replaced).
+        if memo is not None and memo[0] is errs and memo[1] == judged:
+            return memo[2]
+        if not judged:
+            best = DEFAULT
+        else:
+            bound = min(errs) * (1 + NEAR)
+            best = next(i for i, err in enumerate(errs) if err <= bound)
+        self._best_of = (errs, judged, best)
+        return best
 
     def summary(self) -> dict[str, object]:
         """For /status: the budget projected with, its step-length fit, and each budget's
