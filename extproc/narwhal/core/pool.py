@@ -150,6 +150,13 @@ class Pool:
         return [e for e in self.engines if e.serviceable(now, self.stale_after_s)
                 and (candidates is None or e.endpoint in candidates)]
 
+    def any_serviceable(self, now: float) -> bool:
+        """One engine could take work: asked per request before the pool-wide reasons not
+        to serve (each a walk of the pool), which an engine that could take work rules
+        out, and usually the first one listed can."""
+        stale = self.stale_after_s
+        return any(e.serviceable(now, stale) for e in self.engines)
+
     def _live(self) -> list[EngineState]:
         return [e for e in self.engines if not e.retired]
 

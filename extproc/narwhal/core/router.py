@@ -94,6 +94,8 @@ class Router:
                 return reason
         if not self.started:
             return "starting"
+        if self.pool.any_serviceable(self.clock()):
+            return None  # then none of the pool-wide reasons below holds
         if self.pool.all_in_maintenance():
             return "maintenance"
         if self.pool.all_stale(self.clock()):
