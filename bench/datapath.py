@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import orjson
 
-from bench import scratch, vllm_router_exe
+from bench import messages, scratch, vllm_router_exe
 from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, plain_envoy, wait_http
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -276,8 +277,10 @@ def workers_line(rows: list[Row]) -> list[str]:
     return ["", *out] if out else []
 
 
-def capacity(rows: list[Row]) -> list[str]:
-    """On paper: how much one core of Narwhal serves, from the measured costs."""
+def capacity(rows: list[Row], per_engine_us: float) -> list[str]:
+    """On paper: how much one core of Narwhal serves, from the measured costs; a request
+    costs ``per_engine_us`` more for each engine of the pool (measured in process: this
+    benchmark's pool is one simulator)."""
     def cost(workload: str, path: str) -> float | None:
         r = next((r for r in rows if r.workload == workload and r.path == path), None)
         return None if r is None else r.cpu.get("narwhal")
@@ -287,10 +290,15 @@ def capacity(rows: list[Row]) -> list[str]:
     if per_req is None or per_event is None:
         return []
     # A GPU serving a mid-size model streams ~2,500 tokens/s and finishes ~10 requests/s
-    # (e.g. 250-token answers at batch 32): per-GPU Narwhal load is events + requests.
-    per_gpu_us = 2500 * per_event + 10 * per_req
-    return [f"\ncapacity on paper: {per_req:.0f} us/request + {per_event:.1f} us/token event"
-            f" -> one core serves ~{1e6 / per_gpu_us:.0f} GPUs at 2,500 token events/s and"
+    # (e.g. 250-token answers at batch 32): per-GPU Narwhal load is events + requests, and
+    # each request's admission projects every GPU of the pool. N GPUs on one core:
+    # N * (2500 e + 10 (r + s (N - 1))) = 1e6 us per second, solved for N.
+    a = 10 * max(0.0, per_engine_us)
+    b = 2500 * per_event + 10 * per_req - a
+    gpus = 1e6 / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * 1e6)) / (2 * a)
+    return [f"\ncapacity on paper: {per_req:.0f} us/request (+{per_engine_us:.1f} us for each"
+            f" engine of the pool, in process) + {per_event:.1f} us/token event"
+            f" -> one core serves ~{gpus:.0f} GPUs at 2,500 token events/s and"
             f" 10 requests/s each"]
 
 
@@ -351,7 +359,9 @@ def main() -> int:
     print(f"reproduce: python -m bench.datapath --duration {args.duration:g} --reps {args.reps}"
           f" --connections {args.connections} --configs {args.configs}"
           f" --transport {args.transport}" + ("" if args.peer else " --no-peer"))
-    for line in report(rows) + workers_line(rows) + capacity(rows):
+    # What each engine of the pool adds to a request, in process (bench.messages).
+    per_engine = messages.slope(messages.by_pool(500, [1, 32], 3)) * 1e6
+    for line in report(rows) + workers_line(rows) + capacity(rows, per_engine):
         print(line)
     if args.plot:
         plot(rows, args.plot)

@@ -278,6 +278,23 @@ async def run_requests(requests: int, warm: int = 0, engines: int = 1) -> float:
     return total / requests
 
 
+def by_pool(requests: int, pools: list[int], reps: int) -> dict[int, list[float]]:
+    """Seconds per request for each pool size, ``reps`` runs each; the sizes alternate
+    within each repetition, so that a slow spell of this machine falls on all alike."""
+    runs: dict[int, list[float]] = {p: [] for p in pools}
+    for _ in range(reps):
+        for p in pools:
+            runs[p].append(asyncio.run(run_requests(requests, engines=p)))
+    return runs
+
+
+def slope(runs: dict[int, list[float]]) -> float:
+    """Seconds each engine of the pool adds to a request: admission and placement project
+    every serviceable engine, so a request costs more in a larger pool."""
+    lo, hi = min(runs), max(runs)
+    return (statistics.median(runs[hi]) - statistics.median(runs[lo])) / (hi - lo)
+
+
 def main() -> int:
     global COUNT
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -313,22 +330,15 @@ def main() -> int:
               f"{unit} (median of {args.reps} x {n}; min {min(runs) * 1e6:.2f})")
         print(f"reproduce: python -m bench.messages --events {n} --reps {args.reps}")
         return 0
-    # Pool sizes alternate within each repetition, so that a slow spell of this
-    # machine falls on all of them alike.
-    runs_by: dict[int, list[float]] = {p: [] for p in pools}
-    for _ in range(args.reps):
-        for p in pools:
-            runs_by[p].append(asyncio.run(run_requests(n, engines=p)))
+    runs_by = by_pool(n, pools, args.reps)
     for p in pools:
         runs = runs_by[p]
         print(f"ext_proc server path, in process, {p} engine{'s' if p > 1 else ''}: "
               f"{statistics.median(runs) * 1e6:.2f} us per {unit} (median of "
               f"{args.reps} x {n}; min {min(runs) * 1e6:.2f})")
     if len(pools) > 1:
-        lo, hi = min(pools), max(pools)
-        slope = (statistics.median(runs_by[hi]) - statistics.median(runs_by[lo])) / (hi - lo)
-        print(f"each engine of the pool adds {slope * 1e6:.2f} us per request "
-              f"({lo} to {hi} engines)")
+        print(f"each engine of the pool adds {slope(runs_by) * 1e6:.2f} us per request "
+              f"({min(pools)} to {max(pools)} engines)")
     print(f"reproduce: python -m bench.messages --requests {n} --engines {args.engines} "
           f"--reps {args.reps}")
     return 0
