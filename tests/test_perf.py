@@ -73,6 +73,21 @@ def test_tpot_learns_the_batch_slope():
     assert m.tpot_s(80) == pytest.approx(0.042, rel=0.05)
 
 
+def test_a_remembered_tpot_projection_follows_every_refit():
+    """Placement asks each engine's TPOT projection per decision and gets the last answer
+    back while the decode count and the fit stand: a sample that refits the model is
+    seen at the next question, as if nothing were remembered."""
+    m = PerfModel(prefill_tps=10000, tpot_ms=20, overhead_ms=5)
+    before = m.tpot_s(8)
+    assert m.tpot_s(8) == before
+    for _ in range(50):
+        m.observe_interval(8, 0.2)  # ten times the seed
+    after = m.tpot_s(8)
+    assert after > 2 * before
+    assert after == max(1e-4, m.tpot.predict([1.0, 0.8]))  # the fit's own answer
+    assert m.tpot_s(9) != after
+
+
 def test_prefix_cache_counters_discount_prompts():
     m = PerfModel(prefill_tps=10000, tpot_ms=20, overhead_ms=5)
     m.observe_cache(1000, 0)
