@@ -4,6 +4,7 @@ keeps serving."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import httpx
@@ -11,7 +12,7 @@ import pytest
 
 from narwhal.launch import SimSpec
 
-from .conftest import MODEL, _stack, status
+from .conftest import MODEL, _stack, status, wait_for
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -95,7 +96,8 @@ def test_control_headers_forwarded_when_configured(stack):
 
 @pytest.fixture(scope="module")
 def stall_stack():
-    yield from _stack([SimSpec("sim-stall")], {"serving": {"engine_stall_timeout_ms": 500}})
+    yield from _stack([SimSpec("sim-stall", args=["--tpot-ms", "20"])],
+                      {"serving": {"engine_stall_timeout_ms": 500}})
 
 
 def test_stalled_stream_ends_with_an_error_event_and_frees_the_slot(stall_stack):
@@ -142,6 +144,42 @@ def test_an_engine_queue_within_the_ttft_budget_is_no_stall(stall_stack):
         httpx.post(sim, json={"hold": False})
     assert '"engine_stalled"' in held[-1] and "[DONE]" not in held
     assert status(stall_stack)["engines"][0]["in_flight"] == 0
+
+
+def test_before_its_first_token_a_request_waits_while_the_engine_answers_others(stall_stack):
+    """Against a 0.5 s stall timeout and a 1 s TTFT budget: the engine holds a request's
+    first token 1.5 s after its response headers (``slow-start``) while it streams
+    another request's tokens. That request is waiting in a working engine, not stalled,
+    and completes (an engine silent to every request is stalled: the test above). With
+    ``serving.workers`` the two streams may be on different workers: the scheduler
+    tells each worker of the engine's tokens."""
+    url = f"{stall_stack.url}/v1/chat/completions"
+    streaming, done = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        body = {"model": MODEL, "messages": MSGS, "max_tokens": 4000, "stream": True}
+        with httpx.stream("POST", url, json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    streaming.set()
+                if done.is_set():
+                    return  # leaves mid-stream
+
+    other = threading.Thread(target=busy)
+    other.start()
+    try:
+        assert streaming.wait(30)
+        body = {"model": MODEL, "messages": MSGS, "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", url, json=body, timeout=30,
+                          headers={"x-sim-fault": "slow-start", "x-slo-ttft-ms": "1000"}) as resp:
+            assert resp.status_code == 200
+            events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+        assert other.is_alive(), "the other stream ended first: the test showed nothing"
+    finally:
+        done.set()
+        other.join(60)
+    assert "[DONE]" in events and '"engine_stalled"' not in "".join(events)
+    wait_for(lambda: status(stall_stack)["requests"]["in_flight"] == 0)
 
 
 @pytest.fixture

@@ -417,6 +417,60 @@ def test_before_its_first_token_a_request_is_not_stalled_within_its_ttft_budget(
     assert router.accounting.terminal["failed"] == 2
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_before_its_first_token_a_request_waits_while_its_engine_answers_others(stream):
+    """Open admission lets an engine's queue outgrow any budget: a request silent before
+    its first token is no stall while the engine answers others (a token from it within
+    the stall timeout), up to its own deadline; an engine silent to everyone for the
+    stall timeout is stalled."""
+    now = [100.0]
+    router = ready(Router(parse({"serving": {"engine_stall_timeout_ms": 1000},
+                                 "admission": {"mode": "open", "ttft_target_ms": 500,
+                                               "request_timeout_ms": 60_000},
+                                 "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]}),
+                          clock=lambda: now[0]))
+    sse = {":status": "200", "content-type": "text/event-stream"}
+    busy = Exchange(router)
+    up = admit(busy, orjson.dumps(orjson.loads(BODY) | {"stream": True, "max_tokens": 40}))
+    busy.response_headers(sse, False)
+    tokens = [e + b"\n\n" for e in engine_stream(up).split(b"\n\n") if e][1:]
+    busy.response_body(tokens.pop(0), False)  # its first token: the engine is at work
+
+    def waiting_exchange() -> Exchange:
+        ex = Exchange(router)
+        admit(ex, orjson.dumps(orjson.loads(BODY) | {"stream": stream}))
+        ex.response_headers(sse, False)
+        return ex
+
+    waiting = waiting_exchange()
+    for _ in range(20):  # 10 s in the engine's queue while the other request streams
+        now[0] += 0.5
+        busy.response_body(tokens.pop(0), False)
+        if waiting.wake_at is not None and waiting.wake_at <= now[0]:
+            assert waiting.expire() == []
+    assert waiting.terminal is None
+    assert waiting.wake_at is not None and waiting.wake_at <= now[0] + 1.0
+    now[0] = waiting.wake_at  # the engine silent to everyone for the stall timeout
+    actions = waiting.expire()
+    assert actions and b"engine_stalled" in (actions[0].data if stream else
+                                               actions[0].error.body())
+
+    router.engines[0].telemetry_at = now[0]  # (nothing scrapes here)
+    late = waiting_exchange()  # at most until its deadline, however busy the engine
+    while now[0] < late.deadline - 0.5:
+        now[0] += 0.5
+        busy.response_body(tokens[0], False)  # the same token event again: it counts
+        if late.wake_at is not None and late.wake_at <= now[0]:
+            assert late.expire() == []
+    assert late.terminal is None
+    now[0] = late.wake_at
+    assert late.wake_at == pytest.approx(late.deadline)
+    actions = late.expire()
+    assert actions and b"engine_stalled" in (actions[0].data if stream else
+                                               actions[0].error.body())
+    assert router.accounting.terminal["failed"] == 2
+
+
 def test_close_mid_response_frees_slots_now_and_counts_when_envoy_says(router):
     ex = Exchange(router)
     up = admit(ex, orjson.dumps(orjson.loads(BODY) | {"stream": True}))

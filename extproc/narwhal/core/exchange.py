@@ -663,11 +663,23 @@ class Exchange:
         whose own queue holds it that long is doing what was projected; a budget past the
         stall timeout (``x-slo-ttft-ms`` up to ``admission.max_ttft_target_ms``) was
         otherwise broken by Narwhal itself, a request ended as stalled while the engine
-        would have answered it in time."""
-        end = self.engine_seen + self.router.config.serving.engine_stall_timeout_ms / 1000
+        would have answered it in time.
+
+        Nor, before the first token, while the engine is answering others (a token from it
+        within the stall timeout), up to the request's deadline: a request silent in a
+        working engine is waiting in its queue, which open admission lets grow past any
+        budget (seen in the scheduling benchmark's open-mode calibration, where the
+        slowest engine's requests were all ended as stalled while it served them in
+        turn). An engine silent to every request for the stall timeout is stalled."""
+        stall_s = self.router.config.serving.engine_stall_timeout_ms / 1000
+        end = self.engine_seen + stall_s
         t = self.ticket
         if t is not None and t.first_token_at is None:
             end = max(end, t.arrival + t.budget_s)
+            e = self.engine
+            active = None if e is None else e.model.last_step_at
+            if active is not None:
+                end = max(end, min(active + stall_s, self.deadline))
         return end
 
     def _stall_check(self, now: float) -> list[Action]:

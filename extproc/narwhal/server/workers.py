@@ -16,7 +16,9 @@ Envoy's ext_proc streams:
   count, a close awaiting Envoy's verdict) goes back as ``Control`` calls, which the
   scheduler applies with the same code a single process runs.
 
-So the protocol is per request, not per token: a handful of frames each way. Frames are
+So the protocol is per request, not per token: a handful of frames each way (and, per
+engine, the first token of each step it sees, and back to every worker at most four a
+stall timeout saying that the engine answers: ``Workers.active``). Frames are
 msgpack lists behind a 4-byte length on a socketpair per worker, written once per
 event-loop turn. A stream that ends before the handoff reaches the worker is closed on
 the scheduler's side as it would be in one process; a worker that dies takes its
@@ -65,8 +67,9 @@ log = logging.getLogger("narwhal.workers")
 # a W_MSG for a stream the scheduler does not hold (it ended it meanwhile) is dropped.
 (W_HELLO, W_OPEN, W_MSG, W_CLOSE, W_SERVED, W_FIRST, W_RELEASE, W_COUNT, W_CLOSED,
  W_VERDICT, W_TOKEN) = range(11)
-# Scheduler -> worker frames.
-S_SEND, S_FINISH, S_HANDOFF, S_READY = range(4)
+# Scheduler -> worker frames. S_ACTIVE: [kind, engine name, endpoint, time of a token
+# from it], so that each worker knows the engine answers requests on other workers too.
+S_SEND, S_FINISH, S_HANDOFF, S_READY, S_ACTIVE = range(5)
 MAX_FRAME = 64 * 1024 * 1024  # an ext_proc message is at most serving.max_message_bytes
 LINK_HIGH = 4 * 1024 * 1024  # a link's unsent bytes above which its feeders stop reading
 HELLO_TIMEOUT_S = 60.0
@@ -208,6 +211,8 @@ class WorkerPort:
         self.pid = 0
         self.streams = 0  # ext_proc streams it forwarded
         self.handoffs = 0  # exchanges it took over
+        # Told of each token frame's engine and time (``Workers.active``), if set.
+        self.on_token: Callable[[EngineState, float], None] | None = None
 
     def on_frame(self, f: list[Any]) -> None:
         kind = f[0]
@@ -242,6 +247,8 @@ class WorkerPort:
             control.served_by(ex, f[2])
         elif kind == W_TOKEN:
             control.token(ex, f[2], f[3])
+            if self.on_token is not None and ex.engine is not None:
+                self.on_token(ex.engine, f[2])
         elif kind == W_FIRST:
             control.first_token(ex, f[2])
         elif kind == W_RELEASE:
@@ -290,6 +297,8 @@ class Workers:
         self.stopping = False
         self.started = False  # every worker said hello once
         self.restarts = [0] * self.n
+        # (engine name, endpoint) -> the token time last told to the workers
+        self.told: dict[tuple[str, str], float] = {}
         runtime.router.listeners.append(self._push_ready)
 
     async def start(self) -> None:
@@ -309,6 +318,7 @@ class Workers:
         self.procs[i] = subprocess.Popen(argv, pass_fds=[theirs.fileno()])
         theirs.close()
         port = WorkerPort(self.runtime, i)
+        port.on_token = self.active
         port.link.on_lost = functools.partial(self._lost, port)
         self.ports[i] = port
         await asyncio.get_running_loop().connect_accepted_socket(lambda: port.link, ours)
@@ -336,6 +346,25 @@ class Workers:
         loop = asyncio.get_running_loop()
         loop.call_later(RESTART_DELAY_S,
                         lambda: asyncio.ensure_future(self._spawn(port.index)))
+
+    def active(self, e: EngineState, at: float) -> None:
+        """A worker relayed a token from ``e`` at ``at``: tell every worker, at most four
+        times per stall timeout per engine. Why: before its first token, a request is no
+        stall while its engine answers others (``Exchange._stall_end``), and a worker
+        sees only its own streams' tokens; a quarter of the timeout keeps what each
+        worker knows recent enough, and the frames per engine few (8 a second at the
+        0.5 s the tests use, one every 7.5 s at the default 30 s)."""
+        key = (e.name, e.endpoint)
+        last = self.told.get(key)
+        quarter = self.runtime.router.config.serving.engine_stall_timeout_ms / 4000
+        if last is not None and at - last < quarter:
+            return
+        if len(self.told) > 4096:  # engines come and go with discovery
+            self.told.clear()
+        self.told[key] = at
+        for port in self.ports:
+            if port is not None:
+                port.link.send((S_ACTIVE, e.name, e.endpoint, at))
 
     def _push_ready(self) -> None:
         reason = self.runtime.router.not_ready_reason()
@@ -557,6 +586,11 @@ class Worker:
         if kind == S_READY:
             self.ready = f[1]
             self.health.refresh()
+            return
+        if kind == S_ACTIVE:  # another worker's stream got a token from the engine
+            m = self.engine_for(f[1], f[2]).model
+            if m.last_step_at is None or f[3] > m.last_step_at:
+                m.last_step_at = f[3]
             return
         call = self.calls.get(f[1])
         if call is None:  # its stream ended meanwhile (the scheduler closed it there)
