@@ -238,7 +238,7 @@ def test_bad_deadline_header_is_400(short_wait):
 
 # -- predictive admission -------------------------------------------------------------
 
-def predictive_stack(prefill_slots: int = 8, **admission: int) -> Iterator[Stack]:
+def predictive_stack(prefill_slots: int = 8, **admission: float) -> Iterator[Stack]:
     """One simulated engine prefilling 2000 tokens/s, predictive admission with a 1 s
     budget (each fixture below its own stack: some tests need an engine nothing has
     taught yet)."""
@@ -274,6 +274,24 @@ def test_slo_header_raises_the_budget(predictive):
     resp = post(predictive, {"messages": prompt(2500), "max_tokens": 2}, {"x-slo-ttft-ms": "4000"})
     assert resp.status_code == 200, resp.text
     assert int(resp.headers["x-narwhal-predicted-ttft-ms"]) >= 1250
+
+
+@pytest.fixture(scope="module")
+def half_target():
+    yield from predictive_stack(ttft_target_share=0.5)
+
+
+def test_a_target_share_holds_each_request_to_that_share_of_its_budget(half_target):
+    """admission.ttft_target_share 0.5: a prompt that needs ~0.75 s alone fits the 1.2 s a
+    client asks for with x-slo-ttft-ms, not the 0.6 s admission holds it to (429: shorten
+    the prompt or raise the target); asking 4 s (a 2 s target) it is served."""
+    body = {"messages": prompt(1500), "max_tokens": 2}
+    err = envelope(post(half_target, body, {"x-slo-ttft-ms": "1200"}), 429)
+    assert err["code"] == "prompt_exceeds_ttft_budget" and "over the 600 ms" in err["message"]
+    resp = post(half_target, {"messages": prompt(1500), "max_tokens": 2},
+                {"x-slo-ttft-ms": "4000"})
+    assert resp.status_code == 200, resp.text
+    assert int(resp.headers["x-narwhal-predicted-ttft-ms"]) >= 600
 
 
 def test_projected_over_budget_is_429_with_rounded_overrun(predictive):

@@ -42,6 +42,8 @@ def test_defaults():
      "admission.queue_order: must be one of fifo, least-work"),
     ({"admission": {"output_token_work": -1}},
      "admission.output_token_work: must not be negative"),
+    ({"admission": {"ttft_target_share": 0}}, "admission.ttft_target_share: must be positive"),
+    ({"admission": {"ttft_target_share": 1.5}}, "admission.ttft_target_share: the share"),
     ({"scheduler": {"max_prefill_tokens_per_engine": -1}},
      "scheduler.max_prefill_tokens_per_engine: must not be negative"),
     ({"router": {"role": "leader"}}, "router.role"),

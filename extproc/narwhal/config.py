@@ -63,6 +63,10 @@ class Admission:
     max_ttft_target_ms: int = 60_000
     # Time per output token budget for requests without x-slo-tpot-ms; 0: none.
     tpot_target_ms: int = 0
+    # The share of each request's TTFT budget (ttft_target_ms or its x-slo-ttft-ms) that
+    # admission and placement hold it to: below 1 the queue stays shorter and the tail
+    # with it, at some goodput (README, "A target below the SLO"). In (0, 1].
+    ttft_target_share: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +266,7 @@ POSITIVE = {
     "serving.engine_stall_timeout_ms", "serving.workers",
     "admission.ttft_target_ms", "admission.retention_limit", "admission.max_wait_ms",
     "admission.request_timeout_ms", "admission.max_ttft_target_ms",
+    "admission.ttft_target_share",
     "scheduler.max_prefill_per_engine",
     "scheduler.max_decode_per_engine", "telemetry.health_interval_ms",
     "telemetry.health_timeout_ms", "telemetry.stale_after_ms", "telemetry.kv_events_stale_ms",
@@ -417,6 +422,9 @@ def parse(data: Any) -> Config:
     if adm.ttft_target_ms > adm.max_ttft_target_ms:
         raise ConfigError(f"admission.ttft_target_ms: {adm.ttft_target_ms} exceeds "
                           f"admission.max_ttft_target_ms ({adm.max_ttft_target_ms})")
+    if adm.ttft_target_share > 1:
+        raise ConfigError("admission.ttft_target_share: the share of each request's TTFT "
+                          f"budget admission targets, in (0, 1]; got {adm.ttft_target_share}")
     if tel.drift_threshold >= 1:
         raise ConfigError("telemetry.drift_threshold: a relative error (measured - "
                           "predicted) / measured stays below 1; must be below 1 (0: never), "

@@ -199,7 +199,9 @@ class Exchange:
             return self._refuse(exc)
         now = self.router.clock()
         self.arrival = now
-        self.budget_s = budget_ms / 1000
+        # What admission and placement hold the request to: its budget, or the configured
+        # share of it (a shorter queue, a shorter tail).
+        self.budget_s = budget_ms * adm.ttft_target_share / 1000
         self.tpot_budget_s = tpot_ms / 1000 if tpot_ms else None
         self.deadline = now + timeout_ms / 1000
         self._arm(self.deadline)
