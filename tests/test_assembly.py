@@ -163,6 +163,24 @@ def test_malformed_supported_fields(event):
         assemble([event, ev(ch({}, finish_reason="stop"))])
 
 
+@pytest.mark.parametrize("many, message", [
+    (lambda i: ev(ch({"content": "x"}, index=i)), "more than 128 choices"),
+    (lambda i: ev(ch({"tool_calls": [{"index": i, "id": "a", "function": {"name": "f"}}]})),
+     "more than 128 tool calls"),
+    (lambda i: ev(ch({"content": "x"}), **{f"field{i}": 1}), "more than 256 top-level"),
+])
+def test_what_an_assembly_holds_apart_from_its_text_is_counted(many, message):
+    """Each new choice, tool call or metadata field is an object of hundreds of bytes made
+    from a few bytes of an event: counted, so that an engine's events cannot make one
+    response hold several times the response bound; up to the count they assemble."""
+    a = Assembler(True, False)
+    for i in range(100):
+        a.feed(many(i))
+    with pytest.raises(EngineOutputError, match=message):
+        for i in range(100, 300):
+            a.feed(many(i))
+
+
 def test_stream_without_finish_reason_is_malformed():
     with pytest.raises(EngineOutputError, match="finish_reason"):
         assemble([ev(ch({"content": "a"}))])
