@@ -5,8 +5,11 @@ ratios, decisive); each is judged by its own."""
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from narwhal.core.calibration import MIN_SAMPLES, Calibration
 from narwhal.core.placement import project
@@ -124,3 +127,37 @@ def test_first_tokens_teach_the_engine_and_the_pool():
     assert fast.calibration.factor(projected) == pytest.approx(1.5)
     assert slow.calibration.octaves() == []
     assert slow.calibration.factor(projected) == pytest.approx(1.5)
+
+
+def _reference_factor(c: Calibration, predicted_s: float) -> float:
+    """``Calibration.factor`` as it was written before it kept the highest octave with
+    samples: every octave walked, nothing stored."""
+    from narwhal.core.calibration import BORROW_BELOW, OCTAVES, _octave, _quantile
+    own = _octave(predicted_s)
+    lowest = max(0, own - BORROW_BELOW)
+    for i in list(range(own, lowest - 1, -1)) + list(range(own + 1, OCTAVES)):
+        if c._factors[i] is not None:
+            return c._factors[i]
+    if c._pooled[own] is not None:
+        return c._pooled[own]
+    near = deque(x for xs in c._ratios[lowest:] for x in xs)
+    if not near:
+        return 1.0 if c.pool is None else _reference_factor(c.pool, predicted_s)
+    return _quantile(near)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(),  # a few octaves apart, some under 10 ms
+                          st.sampled_from([0.004, 0.012, 0.05, 0.2, 0.8, 3.2, 12.8]),
+                          st.floats(0.5, 4.0)), min_size=40, max_size=200))
+def test_a_margin_is_what_walking_every_octave_finds(steps):
+    """The margin an engine gives, with and without samples near a projection, and
+    borrowing the pool's, is what walking every octave (as before) finds."""
+    pool = Calibration()
+    engine = Calibration(pool)
+    for learn, predicted, ratio in steps:
+        if learn:
+            for c in (engine, pool):
+                c.observe(predicted, predicted * ratio)
+        expected = _reference_factor(engine, predicted)
+        assert engine.factor(predicted) == expected

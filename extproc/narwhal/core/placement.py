@@ -205,10 +205,8 @@ def _kv_cache(t: Ticket, cands: list[Candidate]) -> list[float]:
 def _max_score(cands: list[Candidate], scores: list[float]) -> list[Candidate]:
     """Highest score first; ties go to the engine with fewer decodes, then the first
     listed. The ranking after the first is the request's fallback order."""
-    # the keys as tuples, compared in C (a key function per candidate cost ~40% more)
-    order = sorted([(-s, c.engine.decode, i) for i, (c, s) in enumerate(zip(cands, scores,
-                                                                           strict=True))])
-    return [cands[key[2]] for key in order]
+    order = sorted(range(len(cands)), key=lambda i: (-scores[i], cands[i].engine.decode, i))
+    return [cands[i] for i in order]
 
 
 FILTERS: dict[str, Filter] = {"subset": _subset, "has-slot": _has_slot,
