@@ -21,6 +21,7 @@ TEXT_CHOICE_KEYS = frozenset({"index", "text", "logprobs", "finish_reason", "sto
 DELTA_KEYS = frozenset({"role", "content", "reasoning", "reasoning_content", "refusal",
                         "tool_calls", "function_call", "token_ids"})
 TOOL_CALL_KEYS = frozenset({"index", "id", "type", "function"})
+FUNCTION_KEYS = frozenset({"name", "arguments"})
 TEXT_LOGPROB_KEYS = ("tokens", "token_logprobs", "text_offset", "top_logprobs")
 # Top-level keys the assembler rebuilds itself rather than copying as metadata.
 REBUILT = frozenset({"choices", "usage", "object", "prompt_token_ids"})
@@ -46,6 +47,16 @@ def _bad(what: str) -> EngineOutputError:
 
 def _unsupported(what: str) -> EngineOutputError:
     return EngineOutputError(f"unsupported engine output for a non-streaming response: {what}")
+
+
+def _only_known(fields: dict[str, Any], known: frozenset[str], what: str) -> None:
+    """Refuse a field outside ``known`` that carries a value (one without is no output).
+    Runs per event: the keys are checked as a set first, and walked only if one is new."""
+    if fields.keys() <= known:
+        return
+    for key, value in fields.items():
+        if key not in known and _has_value(value):
+            raise _unsupported(f"{what} field '{key}'")
 
 
 def _join_repeat_aware(parts: list[str], frag: str, size: int) -> int:
@@ -145,10 +156,7 @@ class Assembler:
                 state.prompt_token_ids = ptids
 
     def _chat_choice(self, state: _Choice, choice: dict[str, Any]) -> None:
-        if not choice.keys() <= CHAT_CHOICE_KEYS:
-            for key, value in choice.items():
-                if key not in CHAT_CHOICE_KEYS and _has_value(value):
-                    raise _unsupported(f"choice field '{key}'")
+        _only_known(choice, CHAT_CHOICE_KEYS, "choice")
         delta = choice.get("delta")
         if delta is None:
             delta = {}
@@ -195,9 +203,7 @@ class Assembler:
         for call in calls:
             if not isinstance(call, dict):
                 raise _bad("tool call is not an object")
-            for key, value in call.items():
-                if key not in TOOL_CALL_KEYS and _has_value(value):
-                    raise _unsupported(f"tool call field '{key}'")
+            _only_known(call, TOOL_CALL_KEYS, "tool call")
             index = call.get("index")
             if index.__class__ is not int or index < 0:
                 raise _bad("tool call index is not a non-negative integer")
@@ -227,9 +233,7 @@ class Assembler:
     def _fragments(tc: _ToolCall, fn: Any, what: str) -> None:
         if not isinstance(fn, dict):
             raise _bad(f"{what} is not an object")
-        for key, value in fn.items():
-            if key not in ("name", "arguments") and _has_value(value):
-                raise _unsupported(f"{what} field '{key}'")
+        _only_known(fn, FUNCTION_KEYS, what)
         name = fn.get("name")
         if name is not None:
             if not isinstance(name, str):
@@ -242,10 +246,7 @@ class Assembler:
             tc.arguments.append(args)
 
     def _text_choice(self, state: _Choice, choice: dict[str, Any]) -> None:
-        if not choice.keys() <= TEXT_CHOICE_KEYS:
-            for key, value in choice.items():
-                if key not in TEXT_CHOICE_KEYS and _has_value(value):
-                    raise _unsupported(f"choice field '{key}'")
+        _only_known(choice, TEXT_CHOICE_KEYS, "choice")
         text = choice.get("text")
         if text is not None:
             if not isinstance(text, str):
