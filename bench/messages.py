@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import functools
 import statistics
 import sys
@@ -132,20 +133,14 @@ COUNT: Opcodes | None = None
 
 
 def _feed(conn: GrpcConnection, reads: list[bytes], measured: bool = True) -> float:
-    """Feed the reads; their time, or 0 when counting instructions instead."""
-    if not measured:
+    """Feed the reads; their time, or 0 when not measured or counting instructions."""
+    timed = measured and COUNT is None
+    counting = COUNT if measured and COUNT is not None else contextlib.nullcontext()
+    start = time.perf_counter()
+    with counting:
         for data in reads:
             conn.data_received(data)
-        return 0.0
-    if COUNT is not None:
-        with COUNT:
-            for data in reads:
-                conn.data_received(data)
-        return 0.0
-    start = time.perf_counter()
-    for data in reads:
-        conn.data_received(data)
-    return time.perf_counter() - start
+    return time.perf_counter() - start if timed else 0.0
 
 
 async def setup(engines: int = 1

@@ -139,14 +139,15 @@ class Scheduler:
         engines = self.pool.serviceable(now, t.candidates)
         if not engines:
             return Refuse(errors.backend_unavailable())
-        # Queued work (if any) goes to the engines in proportion to their speed.
+        # Queued work (if any) goes to the engines in proportion to their speed (the
+        # rates only then: they are a walk of the pool's models per request).
+        shares = [0.0] * len(engines)
         if self.queued_tokens:
             rates = [min(1e9, e.model.learned_prefill_tps) for e in engines]
             total = sum(rates)
-            projections = [project(e, t, self.queued_tokens * r / total, now)
-                           for e, r in zip(engines, rates, strict=True)]
-        else:
-            projections = [project(e, t, 0.0, now) for e in engines]
+            shares = [self.queued_tokens * r / total for r in rates]
+        projections = [project(e, t, share, now)
+                       for e, share in zip(engines, shares, strict=True)]
         cands = projections
         predictive = self.config.admission.mode == "predictive"
         if predictive and "kv-headroom" in self.config.scheduler.filters:
