@@ -419,31 +419,31 @@ def test_a_queued_request_whose_budget_no_engine_can_meet_any_more_is_refused(on
 
 @pytest.fixture(scope="module")
 def serial_predictive():
-    """Predictive admission in front of one request at a time, each ~0.25 s (5 tokens at
-    50 ms), with the queue holding a request at most 10 s."""
-    yield from _stack([SimSpec("slow", args=["--tpot-ms", "50"])],
+    """Predictive admission in front of one request at a time, each ~0.5 s (5 tokens at
+    100 ms), with the queue holding a request at most 10 s."""
+    yield from _stack([SimSpec("slow", args=["--tpot-ms", "100"])],
                       {"admission": {"mode": "predictive", "max_wait_ms": 10_000},
                        "scheduler": SERIAL})
 
 
 def test_a_queue_wait_past_the_admission_wait_limit_is_refused_at_once(serial_predictive):
-    """A hundred requests with a 60 s budget queue behind the one slot. Once nine have
-    completed (the queue's drain rate is measured from its dispatches) and sixty or more
-    still wait (15 s of queue or more at >= 0.25 s each), a request whose budget would
+    """Forty requests with a 60 s budget queue behind the one slot. Once nine have
+    completed (the queue's drain rate is measured from its dispatches) and 28 or more
+    still wait (14 s of queue or more at >= 0.5 s each), a request whose budget would
     allow that wait is refused 429 queue_wait_exceeded with the overrun as Retry-After,
     rather than queued to end 504 when admission.max_wait_ms runs out. (The crowd joins
-    the queue at once and leaves it at once when its 10 s wait limit runs out: the limit
-    is long beside nine requests' service, and the queue long beside the limit, so that a
-    slow machine still finds the queue there and over the limit when the probe comes; with
-    forty requests and a 4 s limit a loaded CI run once found it gone.)"""
+    the queue within the ~4 s its first eight dispatches take, before the drain rate
+    refuses it too, and leaves the queue at once when its 10 s wait limit runs out: the
+    probe has from ~4.5 s to 10 s. With 0.25 s requests and a 4 s limit that window was
+    ~2.3-4 s, and a loaded CI run once found the queue expired.)"""
     st = serial_predictive
     wait_for(st, lambda s: s["engines"][0]["profiled"])
     long_budget = {"x-slo-ttft-ms": "60000"}
     before = status(st)["requests"]["terminal"]
-    with concurrent.futures.ThreadPoolExecutor(100) as crowd:
-        queued = [crowd.submit(post, st, {"max_tokens": 5}, long_budget) for _ in range(100)]
+    with concurrent.futures.ThreadPoolExecutor(40) as crowd:
+        queued = [crowd.submit(post, st, {"max_tokens": 5}, long_budget) for _ in range(40)]
         wait_for(st, lambda s: s["requests"]["terminal"]["completed"] >= before["completed"] + 9
-                 and s["requests"]["queued"] >= 60)
+                 and s["requests"]["queued"] >= 28)
         resp = post(st, {"max_tokens": 5}, long_budget)
         err = envelope(resp, 429)
         assert err["code"] == "queue_wait_exceeded" and "admission.max_wait_ms" in err["message"]
