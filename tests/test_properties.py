@@ -144,7 +144,7 @@ def test_metering_and_assembly_fail_only_as_bad_engine_output(events, chat, ids)
                 "choices": [event] if isinstance(event, dict) else event}
             meter.observe(wrapped)
             assembler.feed(wrapped)
-        assembler.result({"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2})
+        assembler.body({"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2})
     except (EngineOutputError, TokenIdError):
         pass
 

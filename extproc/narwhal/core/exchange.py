@@ -502,7 +502,7 @@ class Exchange:
         if not end_of_stream:
             return []
         usage = meter.usage or self._computed_usage()
-        body = orjson.dumps(assembler.result(usage))
+        body = assembler.body(usage)
         self._finish(errors.COMPLETED)
         self.client_headers_sent = True
         return [Headers(True, set=[("content-type", "application/json"),
