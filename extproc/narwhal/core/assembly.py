@@ -75,8 +75,9 @@ def _json(value: Any) -> bytes:
 
 def _kept(value: Any) -> orjson.Fragment:
     """JSON text to keep until the response is written, in a buffer of its size: orjson
-    returns its growing buffer as the bytes object (measured: 127 KiB held for 15 KB of
-    text), so text kept for long is copied out of it once."""
+    returns its output buffer, allocated for a worst case, as the bytes object (measured:
+    127 KiB allocated for 15 KB of text; 5,000 such texts kept, 104 against 87 MiB
+    resident), so text kept for long is copied out of it once."""
     return orjson.Fragment(bytes(memoryview(_json(value))))
 
 
