@@ -514,3 +514,40 @@ def test_large_bodies_go_in_chunks_within_envoys_limit(router):
     assert all(len(b.data) <= 62_000 for b in bodies) and len(bodies) == 3
     assert [b.end_of_stream for b in bodies] == [False, False, True]
     assert ("content-length", str(sum(len(b.data) for b in bodies))) in h.set
+
+
+def test_a_large_body_is_held_as_its_bytes_while_queued_and_not_at_all_once_sent():
+    """Parsed, 1 MiB of small messages takes ~10 MiB, and up to the retention limit's
+    requests are held: a queued request over 16 KiB (PARK_BYTES) keeps the client's bytes and is
+    parsed again to go (the same upstream body as one sent at once); once sent, what is
+    held is its facts and its model."""
+    import tracemalloc
+
+    router = ready(Router(parse({"admission": {"mode": "open"},
+                                 "serving": {"max_request_bytes": 4_000_000},
+                                 "scheduler": {"max_prefill_per_engine": 1,
+                                               "max_decode_per_engine": 1},
+                                 "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]})))
+    runtime = Runtime(router, NoTimers())
+    big = orjson.dumps({"model": "narwhal-sim", "max_tokens": 4, "temperature": 0.5,
+                        "messages": [{"role": "user", "content": "x"}] * 30_000})
+    assert len(big) > 20 * 16_384
+    first, second, third = [], [], []
+    drivers = [Driver(runtime, out.extend) for out in (first, second, third)]
+    tracemalloc.start()
+    for d, body in zip(drivers, (big, big, BODY), strict=True):
+        d.step(d.ex.request_headers, HDRS, False)
+        d.step(d.ex.request_body, body, True)
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    sent = b"".join(a.data for a in first if isinstance(a, Body))
+    assert orjson.loads(sent)["messages"] == orjson.loads(big)["messages"]
+    assert held < 4 * len(big)  # parsed, the two would be ~20x it
+    one, two, small = (d.ex for d in drivers)
+    assert one.request.body == {"model": "narwhal-sim"} and one.parked is None  # sent
+    assert two.request.body == {"model": "narwhal-sim"} and two.parked == big  # queued
+    assert small.request.body == orjson.loads(BODY) and small.parked is None  # small: parsed
+    drivers[0].closed()  # frees the slot: the queue sends the second, parsed again
+    assert b"".join(a.data for a in second if isinstance(a, Body)) == sent
+    assert two.parked is None and two.request.body == {"model": "narwhal-sim"}
+    assert two.request.max_tokens == 4 and not two.request.stream

@@ -45,6 +45,11 @@ CONFORMANCE_SELECTION = "test-epp-endpoint-selection"
 CONFORMANCE_SERVED = "x-conformance-test-served-endpoint"
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, continued by tracing
 MAX_BODY_CHUNK = 62_000  # Envoy's streamed body mutations, as the Inference Extension sends them
+# A request body larger than this is not held parsed while its request waits in the queue
+# (the client's bytes are, parsed again at dispatch) nor once it is sent upstream: parsed,
+# a body takes up to ten times its bytes, and up to admission.retention_limit requests are
+# held. A smaller one stays parsed: under ~160 KiB parsed, and no second parse.
+PARK_BYTES = 16_384
 # Client paths that exist besides the completion routes, passed to an engine as they are.
 PASSTHROUGH = frozenset({("GET", "/v1/models")})
 # Request headers that steer routing or Narwhal: never taken from a client.
@@ -103,7 +108,7 @@ class Exchange:
                  "deadline", "budget_s", "tpot_budget_s", "ticket", "wake_at", "client_headers_sent",
                  "last_token_at", "strip", "engine_seen", "request_id", "candidates",
                  "decided_at", "ended_at", "error_code", "trace_headers", "recorded",
-                 "token_id_fault", "reply")
+                 "token_id_fault", "reply", "parked")
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -112,6 +117,7 @@ class Exchange:
         self.path = ""
         self.buf: list[bytes] = []
         self.request: CompletionRequest | None = None
+        self.parked: bytes | None = None  # a large queued request's body, as the client sent it
         self.engine: EngineState | None = None
         self.meter: Meter | None = None
         self.relay: Relay | None = None
@@ -279,6 +285,9 @@ class Exchange:
                      lead.token, lead.identity, leased_at)
         if isinstance(decision, Queued):
             self.phase = Phase.QUEUED
+            if len(raw) > PARK_BYTES:  # held as its bytes while it waits, parsed again to go
+                self.parked = raw
+                self.request = req.without_body()
             self._arm(min(self.deadline, now + self.router.config.admission.max_wait_ms / 1000))
             # An engine no earlier queued request could use may take it now (the scheduler's
             # pump); the driver then sends it (``dispatched_from_queue``).
@@ -303,12 +312,17 @@ class Exchange:
             return self.internal_error(exc)
 
     def _upstream(self) -> list[Action]:
+        if self.parked is not None:  # as validated at admission: the same bytes, the same request
+            self.request = parse_request(self.path, self.parked, self.router.config.serving.model)
+            self.parked = None
         req, ticket = self.request, self.ticket
         assert req is not None and ticket is not None and ticket.engine is not None
         engine = self.engine = ticket.engine
         token_ids = engine.token_ids and req.ids_compatible
         self.expect_response(token_ids)
         body = upstream_body(req, token_ids)
+        if self.request_bytes > PARK_BYTES:
+            self.request = req.without_body()
         self.phase = Phase.UPSTREAM
         # The chosen engine first, then its ranked fallbacks (the endpoint-picker protocol).
         dest = ",".join([engine.endpoint, *(e.endpoint for e in ticket.fallbacks)])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -46,6 +46,13 @@ class CompletionRequest:
     # The client's bytes, kept only when they may hold an integer orjson cannot keep
     # exact (``_WIDE_INTEGER``): the upstream body is then written from them.
     wide: bytes | None = None
+
+    def without_body(self) -> CompletionRequest:
+        """This request as read once its body is on its way (or parked as the client's
+        bytes): its facts and its model. Parsed, a body takes up to ten times its bytes
+        (measured: 1 MiB of small messages, 9.8 MiB; of a token-ID prompt, 6.3 MiB), which
+        a thousand requests held through their responses would multiply."""
+        return replace(self, body={"model": str(self.body.get("model", ""))}, wide=None)
 
     def prompt_text(self) -> str:
         """The prompt's text parts, for a tokenizer (token-ID prompts have none)."""
