@@ -75,6 +75,27 @@ def test_usage_and_prompt_ids_recorded():
     assert m.usage == {"prompt_tokens": 3} and m.prompt_token_ids == 3
 
 
+def test_usage_is_kept_at_about_its_bytes_and_bounded():
+    """Usage is kept until the response ends: its counts as numbers, its objects as JSON
+    text (written back as they came), at most 64 fields, nothing past 254 levels."""
+    import orjson
+
+    m = Meter(chat=True, token_ids=True)
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+             "prompt_tokens_details": {"cached_tokens": 1}}
+    m.observe({"choices": [], "usage": usage})
+    assert m.usage["prompt_tokens"] == 3 and m.output_tokens == 0
+    assert orjson.loads(orjson.dumps(m.usage)) == usage
+    assert isinstance(m.usage["prompt_tokens_details"], orjson.Fragment)
+    with pytest.raises(EngineOutputError, match="more than 64 fields"):
+        m.observe({"choices": [], "usage": {f"k{i}": i for i in range(65)}})
+    deep: object = 1
+    for _ in range(300):
+        deep = [deep]
+    with pytest.raises(EngineOutputError, match="nested deeper than 254"):
+        m.observe({"choices": [], "usage": {"prompt_tokens": 1, "x": deep}})
+
+
 def test_relay_nulls_ids_and_drops_unrequested_usage():
     r = Relay(expose_ids=False, include_usage=False)
     ev = {"choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [1]}],

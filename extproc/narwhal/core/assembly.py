@@ -8,12 +8,17 @@ fields) is an :class:`EngineOutputError`, which the exchange turns into a 502.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
+from . import jsontext
+from .jsontext import JsonArray
 from .meter import EngineOutputError
+
+_T = TypeVar("_T")
 
 STRING_DELTAS = ("content", "reasoning", "reasoning_content", "refusal")
 CHAT_CHOICE_KEYS = frozenset({"index", "delta", "logprobs", "finish_reason", "stop_reason",
@@ -37,9 +42,6 @@ REBUILT = frozenset({"choices", "usage", "object", "prompt_token_ids"})
 MAX_CHOICES = 128
 MAX_TOOL_CALLS = 128  # per choice
 MAX_METADATA = 256  # top-level fields kept from the events
-# Parts of an array held as JSON text are joined into one block every so many, so that an
-# assembly of one-token events holds about their bytes, not an object per event.
-JSON_BLOCK = 64
 
 
 def _has_value(v: Any) -> bool:
@@ -65,51 +67,20 @@ def _only_known(fields: dict[str, Any], known: frozenset[str], what: str) -> Non
 
 
 def _json(value: Any) -> bytes:
-    """Engine output as JSON text. orjson reads 1,024 levels of nesting and writes 254: an
-    event nested between them is malformed output here, not a failure at the response's end."""
+    """Engine output as JSON text: orjson reads 1,024 levels of nesting and writes 254, so
+    an event nested between them is malformed output here, not a failure at the end."""
     try:
-        return orjson.dumps(value)
+        return jsontext.text(value)
     except TypeError:
         raise _bad("nested deeper than 254 levels") from None
 
 
-def _kept(value: Any) -> orjson.Fragment:
-    """JSON text to keep until the response is written, in a buffer of its size: orjson
-    returns its output buffer, allocated for a worst case, as the bytes object (measured:
-    127 KiB allocated for 15 KB of text; 5,000 such texts kept, 104 against 87 MiB
-    resident), so text kept for long is copied out of it once."""
-    return orjson.Fragment(bytes(memoryview(_json(value))))
-
-
-def _held(value: Any) -> Any:
-    """A value to keep until the response is written: an array or object as its JSON text
-    (parsed, it takes several times its bytes: measured 5x for logprobs), a scalar as is."""
-    if value.__class__ is dict or value.__class__ is list:
-        return _kept(value)
-    return value
-
-
-class _JsonArray:
-    """An array the engine sends in parts (token IDs, logprobs), held as JSON text until the
-    response is written: parsed, 16 MiB of events' logprobs held 80 MiB and of token IDs
-    118 MiB (measured); as text, about their bytes."""
-
-    __slots__ = ("blocks", "parts")
-
-    def __init__(self) -> None:
-        self.blocks: list[bytes] = []
-        self.parts: list[bytes] = []
-
-    def extend(self, items: list[Any]) -> None:
-        if items:
-            parts = self.parts
-            parts.append(_json(items)[1:-1])  # a slice: a copy of its size (see _kept)
-            if len(parts) >= JSON_BLOCK:
-                self.blocks.append(b",".join(parts))
-                parts.clear()
-
-    def fragment(self) -> orjson.Fragment:
-        return orjson.Fragment(b"[" + b",".join([*self.blocks, *self.parts]) + b"]")
+def _hold(hold: Callable[[Any], _T], value: Any) -> _T:
+    """``hold(value)`` (a ``jsontext`` keeper), output nested past 254 levels malformed."""
+    try:
+        return hold(value)
+    except TypeError:
+        raise _bad("nested deeper than 254 levels") from None
 
 
 def _join_repeat_aware(parts: list[str], frag: str, size: int) -> int:
@@ -138,13 +109,13 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     tools: dict[int, _ToolCall] = field(default_factory=dict)
     function: _ToolCall | None = None
-    lp_content: _JsonArray | None = None
-    lp_refusal: _JsonArray | None = None
-    lp_text: dict[str, _JsonArray] | None = None
+    lp_content: JsonArray | None = None
+    lp_refusal: JsonArray | None = None
+    lp_text: dict[str, JsonArray] | None = None
     finish_reason: str | None = None
     stop_reason: Any = None
     has_stop_reason: bool = False
-    token_ids: _JsonArray = field(default_factory=_JsonArray)
+    token_ids: JsonArray = field(default_factory=JsonArray)
     prompt_token_ids: orjson.Fragment | None = None  # completions: vLLM sends them per choice
 
 
@@ -164,14 +135,14 @@ class Assembler:
             if key not in REBUILT and key not in meta and value is not None:
                 if len(meta) >= MAX_METADATA:
                     raise _unsupported(f"more than {MAX_METADATA} top-level fields")
-                meta[key] = _held(value)
+                meta[key] = _hold(jsontext.held, value)
         ptids = event.get("prompt_token_ids")
         if ptids is not None and not self.prompt_ids_seen:
             if ptids.__class__ is not list:
                 raise _bad("prompt_token_ids is not an array")
             self.prompt_ids_seen = True
             if self.expose_ids and self.chat:
-                self.prompt_token_ids = _kept(ptids)
+                self.prompt_token_ids = _hold(jsontext.kept, ptids)
         for choice in event["choices"]:
             index = choice.get("index", 0)
             if index.__class__ is not int or index < 0:
@@ -195,21 +166,21 @@ class Assembler:
             state.finish_reason = fr
             if "stop_reason" in choice:
                 state.has_stop_reason = True
-                state.stop_reason = _held(choice["stop_reason"])
+                state.stop_reason = _hold(jsontext.held, choice["stop_reason"])
         elif choice.get("stop_reason") is not None:
             state.has_stop_reason = True
-            state.stop_reason = _held(choice["stop_reason"])
+            state.stop_reason = _hold(jsontext.held, choice["stop_reason"])
         if self.expose_ids:
             ids = choice.get("token_ids")
             if ids:
                 if ids.__class__ is not list:
                     raise _bad("token_ids is not an array")  # engines without ID checks
-                state.token_ids.extend(ids)
+                _hold(state.token_ids.extend, ids)
             ptids = choice.get("prompt_token_ids")
             if ptids is not None and state.prompt_token_ids is None:
                 if ptids.__class__ is not list:
                     raise _bad("prompt_token_ids is not an array")
-                state.prompt_token_ids = _kept(ptids)
+                state.prompt_token_ids = _hold(jsontext.kept, ptids)
 
     def _chat_choice(self, state: _Choice, choice: dict[str, Any]) -> None:
         _only_known(choice, CHAT_CHOICE_KEYS, "choice")
@@ -249,9 +220,9 @@ class Assembler:
                     raise _bad(f"logprobs.{key} is not an array")
                 cur = getattr(state, attr)
                 if cur is None:
-                    cur = _JsonArray()
+                    cur = JsonArray()
                     setattr(state, attr, cur)
-                cur.extend(part)
+                _hold(cur.extend, part)
 
     def _tool_calls(self, state: _Choice, calls: Any) -> None:
         if not isinstance(calls, list):
@@ -314,14 +285,14 @@ class Assembler:
         if not isinstance(lp, dict):
             raise _bad("completion logprobs is not an object")
         if state.lp_text is None:
-            state.lp_text = {k: _JsonArray() for k in TEXT_LOGPROB_KEYS}
+            state.lp_text = {k: JsonArray() for k in TEXT_LOGPROB_KEYS}
         for key in TEXT_LOGPROB_KEYS:
             part = lp.get(key)
             if part is None:
                 continue
             if not isinstance(part, list):
                 raise _bad(f"logprobs.{key} is not an array")
-            state.lp_text[key].extend(part)
+            _hold(state.lp_text[key].extend, part)
 
     # -- result ----------------------------------------------------------------
     def body(self, usage: dict[str, Any]) -> bytes:

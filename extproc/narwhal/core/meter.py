@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import jsontext
 from .tokens import TokenIdError, carries_generation, count_token_ids
 
 
@@ -36,6 +37,26 @@ class EngineErrorEvent(EngineOutputError):
         """The HTTP status the engine would answer without a stream: its error's code."""
         code = self.error.get("code") if isinstance(self.error, dict) else None
         return code if code.__class__ is int and 400 <= code <= 599 else 502
+
+
+MAX_USAGE_FIELDS = 64  # vLLM's usage has four
+
+
+def _usage(usage: Any) -> dict[str, Any]:
+    """The engine's usage as kept until the response ends: its numbers as they are (the
+    counts read), its objects as JSON text (``prompt_tokens_details``, read by nobody).
+    Parsed, one 1 MiB event's usage would hold ~10 MiB through the response."""
+    if usage.__class__ is not dict:
+        raise EngineOutputError("engine usage is not an object")
+    if len(usage) > MAX_USAGE_FIELDS:
+        raise EngineOutputError(f"engine usage has more than {MAX_USAGE_FIELDS} fields")
+    for value in usage.values():
+        if value.__class__ is dict or value.__class__ is list:
+            try:
+                return {k: jsontext.held(v) for k, v in usage.items()}
+            except TypeError:
+                raise EngineOutputError("engine usage nested deeper than 254 levels") from None
+    return usage
 
 
 class Meter:
@@ -71,9 +92,7 @@ class Meter:
             raise EngineOutputError("engine event has no choices array")
         usage = event.get("usage")
         if usage is not None:
-            if not isinstance(usage, dict):
-                raise EngineOutputError("engine usage is not an object")
-            self.usage = usage
+            self.usage = _usage(usage)
         if self.prompt_token_ids is None:
             self._prompt_ids(event.get("prompt_token_ids"))
         tokens = 0
