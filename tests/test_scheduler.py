@@ -259,6 +259,11 @@ def test_parse_vllm_metrics():
                'vllm:num_requests_waiting -3\nvllm:kv_cache_usage_perc 1e999\n'
                'vllm:num_requests_running 2\n')
     assert parse_vllm_metrics(hostile) == {"running": 2.0}
+    crlf = 'vllm:num_requests_waiting{model_name="m"} 2\r\nvllm:kv_cache_usage_perc 0.5\r\n'
+    assert parse_vllm_metrics(crlf) == {"waiting": 2.0, "kv_cache_usage": 0.5}
+    # the first 1,024 lines read are summed; a body's thousands more are not each parsed
+    many = 'vllm:kv_cache_usage_perc_bucket{le="1"} 5\n' * 3 + "vllm:num_requests_running 1\n" * 1100
+    assert parse_vllm_metrics(many) == {"running": 1024.0}
 
 
 def test_the_prefix_index_is_bounded_by_the_engines_cache():

@@ -31,25 +31,32 @@ MAX_METRICS_BYTES = 4 * 1024 * 1024
 
 CACHE_INFO = "vllm:cache_config_info"
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
+# The lines read, found by the regex engine: vLLM's /metrics is mostly histogram buckets
+# Narwhal does not read, scraped from every engine every health interval, so a loop over
+# every line in Python cost the data path (measured: a line loop over 4 MiB took 99-288 ms).
+# A literal start (a newline, then "vllm:") lets it skip ahead by string search: 4-6x
+# faster than a multi-line "^" tried at every line.
+_SERIES = re.compile(r"\n(vllm:(?:" + "|".join(
+    re.escape(n.removeprefix("vllm:")) for n in (*GAUGES, CACHE_INFO)) + r"))[{ ][^\n]*")
+# At most this many of those lines are read: vLLM writes one per model and engine index,
+# and past it a hostile body's thousands of matching lines are ignored, not each parsed.
+MAX_SERIES = 1024
 
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
     """Sum the series Narwhal reads across label sets; ignore everything else. The cache
     configuration's info gauge gives ``kv_capacity_tokens`` (block size x GPU blocks)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
+    for n, match in enumerate(_SERIES.finditer("\n" + text)):
+        if n == MAX_SERIES:
+            break
+        name, line = match.group(1), match.group(0)[1:]
         if name == CACHE_INFO:
             labels = dict(_LABEL.findall(line[:4096]))
             size, blocks = labels.get("block_size", ""), labels.get("num_gpu_blocks", "")
             if size.isdecimal() and blocks.isdecimal() and len(size + blocks) < 20:
                 out["kv_capacity_tokens"] = out.get("kv_capacity_tokens", 0.0) + int(size) * int(
                     blocks)
-            continue
-        attr = GAUGES.get(name)
-        if attr is None:
             continue
         try:
             value = float(line.rsplit(" ", 1)[1])
@@ -61,6 +68,7 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         # the hit rate NaN, so it never learns again).
         if not 0.0 <= value < math.inf:
             continue
+        attr = GAUGES[name]
         out[attr] = out.get(attr, 0.0) + value
     return out
 
