@@ -204,6 +204,34 @@ def test_malformed_batches_are_refused(payload, message):
         decode_batch(payload)
 
 
+def test_a_batch_is_bounded_in_blocks_and_token_ids_together():
+    """Each block is read in Python on the data path's loop: a batch within the payload
+    bound held a million blocks (1.4 s). A batch is refused past 16,384 blocks, stored and
+    removed together, or 262,144 token IDs, and accepted up to them."""
+    from narwhal.core.kv_events import MAX_BATCH_BLOCKS, MAX_BATCH_TOKENS, MAX_BLOCKS
+
+    full = [stored(list(range(i, i + MAX_BLOCKS)), None, list(range(MAX_BLOCKS)), size=1)
+            for i in range(0, MAX_BATCH_BLOCKS - MAX_BLOCKS, MAX_BLOCKS)]
+    at = [*full, removed(list(range(MAX_BLOCKS)))]
+    assert len(decode_batch(batch(*at))) == MAX_BATCH_BLOCKS // MAX_BLOCKS
+    with pytest.raises(KvEventError, match="more than 16384 blocks"):
+        decode_batch(batch(*at, removed([1])))
+    tokens = [stored([i], None, list(range(1024)), size=1024) for i in range(256)]
+    assert sum(len(e.token_ids) for e in decode_batch(batch(*tokens))) == MAX_BATCH_TOKENS
+    with pytest.raises(KvEventError, match="262144 token IDs"):
+        decode_batch(batch(*tokens, stored([9], None, [1], size=1)))
+
+
+def test_a_batch_past_the_table_keeps_its_newest_blocks():
+    """The table's oldest blocks leave first, in order, however many a batch brings (a
+    plain dict's first key after many deletions was found by walking past them)."""
+    kv = KvBlocks(100)
+    ids = list(range(300))
+    kv.apply(decode_batch(batch(stored(list(range(300)), None, ids, size=1))), 0.0)
+    assert list(kv.by_engine) == list(range(200, 300))
+    assert kv.match(ids[:1])[0] == 0 and not kv.complete
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=256))
 def test_arbitrary_bytes_only_ever_raise_kv_event_error(data):
