@@ -1,6 +1,7 @@
 """Per-message cost of Narwhal's ext_proc server path, in process, without sockets.
 
-    python -m bench.messages [--events N | --requests N] [--reps R] [--opcodes]
+    python -m bench.messages [--events N | --requests N [--engines P,Q | --prompt-bytes B,C]]
+                             [--reps R] [--opcodes]
 
 An ``h2`` client opens one ext_proc stream on a ``GrpcConnection`` (Narwhal's HTTP/2 and
 gRPC layers, the ext_proc adapter, the driver and the exchange, as served), takes a
@@ -220,11 +221,18 @@ async def run(events: int) -> float:
     return elapsed / events
 
 
-REQUEST_BODY = orjson.dumps({"model": "narwhal-sim", "max_tokens": 16,
-                             "messages": [{"role": "user", "content": "hello there"}]})
+def request_body(prompt_bytes: int = 0) -> bytes:
+    """The client's body: "hello there", or a prompt of about ``prompt_bytes`` bytes of
+    words (what a request's own bytes cost: parsing, sizing, the prefix index's blocks,
+    the upstream rewrite; real chat prompts run to kilobytes)."""
+    words = ("the quick brown fox jumps over a lazy dog 0123 " * (prompt_bytes // 47 + 1)
+             )[:prompt_bytes] if prompt_bytes else "hello there"
+    return orjson.dumps({"model": "narwhal-sim", "max_tokens": 16,
+                         "messages": [{"role": "user", "content": words}]})
 
 
-def request_reads(client: h2.connection.H2Connection, chunks: int) -> list[bytes]:
+def request_reads(client: h2.connection.H2Connection, chunks: int,
+                  body: bytes) -> list[bytes]:
     """One non-streaming request as Envoy sends it, one read per message: headers, body,
     the engine's response headers, ``chunks`` body chunks of two token events each (the
     last with the usage event and ``[DONE]``), the end of the body, the end of the stream."""
@@ -232,13 +240,15 @@ def request_reads(client: h2.connection.H2Connection, chunks: int) -> list[bytes
     reads = []
 
     def send(req: pb.ProcessingRequest, end: bool = False) -> None:
-        client.send_data(sid, _message(req), end_stream=end)
+        data, size = _message(req), client.max_outbound_frame_size
+        for at in range(0, len(data), size):  # a large body's message spans frames
+            client.send_data(sid, data[at:at + size], end_stream=end and at + size >= len(data))
         reads.append(client.data_to_send())
 
     send(pb.ProcessingRequest(request_headers=_headers(
         {":path": "/v1/chat/completions", ":method": "POST",
          "content-type": "application/json", "x-request-id": f"r{sid}"})))
-    send(pb.ProcessingRequest(request_body=pb.HttpBody(body=REQUEST_BODY, end_of_stream=True)))
+    send(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
     send(pb.ProcessingRequest(response_headers=_headers(
         {":status": "200", "content-type": "text/event-stream"})))
     for i in range(chunks):
@@ -255,13 +265,15 @@ def request_reads(client: h2.connection.H2Connection, chunks: int) -> list[bytes
     return reads
 
 
-async def run_requests(requests: int, warm: int = 0, engines: int = 1) -> float:
+async def run_requests(requests: int, warm: int = 0, engines: int = 1,
+                       prompt_bytes: int = 0) -> float:
     """Whole non-streaming requests, each on its own ext_proc stream, one after another,
     to a pool of ``engines``; the first ``warm`` of them are not measured."""
     conn, transport, client, router = await setup(engines)
+    body = request_body(prompt_bytes)
     total = 0.0
     for i in range(warm + requests):
-        reads = request_reads(client, 8)
+        reads = request_reads(client, 8, body)
         total += _feed(conn, reads, i >= warm)
         exchange_bytes(conn, transport, client)
     if conn.streams:
@@ -273,19 +285,23 @@ async def run_requests(requests: int, warm: int = 0, engines: int = 1) -> float:
     return total / requests
 
 
-def by_pool(requests: int, pools: list[int], reps: int) -> dict[int, list[float]]:
-    """Seconds per request for each pool size, ``reps`` runs each; the sizes alternate
-    within each repetition, so that a slow spell of this machine falls on all alike."""
-    runs: dict[int, list[float]] = {p: [] for p in pools}
+def alternated(requests: int, cases: list[tuple[int, int]], reps: int
+               ) -> dict[tuple[int, int], list[float]]:
+    """Seconds per request for each (pool size, prompt bytes), ``reps`` runs each; the cases
+    alternate within each repetition, so that a slow spell of this machine falls on all
+    alike."""
+    runs: dict[tuple[int, int], list[float]] = {c: [] for c in cases}
     for _ in range(reps):
-        for p in pools:
-            runs[p].append(asyncio.run(run_requests(requests, engines=p)))
+        for engines, prompt in cases:
+            runs[engines, prompt].append(asyncio.run(run_requests(
+                requests, engines=engines, prompt_bytes=prompt)))
     return runs
 
 
 def slope(runs: dict[int, list[float]]) -> float:
-    """Seconds each engine of the pool adds to a request: admission and placement project
-    every serviceable engine, so a request costs more in a larger pool."""
+    """Seconds each unit of a case adds to a request, from its smallest to its largest:
+    each engine of the pool (admission and placement project every serviceable engine),
+    or each byte of the prompt."""
     lo, hi = min(runs), max(runs)
     return (statistics.median(runs[hi]) - statistics.median(runs[lo])) / (hi - lo)
 
@@ -300,6 +316,9 @@ def main() -> int:
     parser.add_argument("--engines", default="1",
                         help="with --requests: pool sizes, comma-separated (admission and "
                              "placement project every engine: their cost grows with the pool)")
+    parser.add_argument("--prompt-bytes", default="0",
+                        help="with --requests: prompt sizes in bytes, comma-separated (0: "
+                             "'hello there'); with several, the cost of each byte")
     parser.add_argument("--opcodes", action="store_true",
                         help="count bytecode instructions per unit (after as many unmeasured "
                              "requests as measured) instead of timing")
@@ -310,10 +329,13 @@ def main() -> int:
     else:
         n, flag, unit = args.events, "--events", "token-event message"
     pools = [int(x) for x in args.engines.split(",")]
+    prompts = [int(x) for x in args.prompt_bytes.split(",")]
+    if len(pools) > 1 and len(prompts) > 1:
+        parser.error("vary --engines or --prompt-bytes, not both")
     if args.opcodes:
         COUNT = Opcodes()
         if args.requests:
-            asyncio.run(run_requests(n, warm=n, engines=pools[0]))
+            asyncio.run(run_requests(n, warm=n, engines=pools[0], prompt_bytes=prompts[0]))
         else:
             asyncio.run(run(n))
         COUNT.report(n, unit)
@@ -325,17 +347,24 @@ def main() -> int:
               f"{unit} (median of {args.reps} x {n}; min {min(runs) * 1e6:.2f})")
         print(f"reproduce: python -m bench.messages --events {n} --reps {args.reps}")
         return 0
-    runs_by = by_pool(n, pools, args.reps)
-    for p in pools:
-        runs = runs_by[p]
-        print(f"ext_proc server path, in process, {p} engine{'s' if p > 1 else ''}: "
+    cases = [(p, b) for p in pools for b in prompts]
+    runs_by = alternated(n, cases, args.reps)
+    for p, b in cases:
+        runs = runs_by[p, b]
+        prompt = f", a {b}-byte prompt" if b else ""
+        print(f"ext_proc server path, in process, {p} engine{'s' if p > 1 else ''}{prompt}: "
               f"{statistics.median(runs) * 1e6:.2f} us per {unit} (median of "
               f"{args.reps} x {n}; min {min(runs) * 1e6:.2f})")
     if len(pools) > 1:
-        print(f"each engine of the pool adds {slope(runs_by) * 1e6:.2f} us per request "
+        per = slope({p: runs_by[p, prompts[0]] for p in pools})
+        print(f"each engine of the pool adds {per * 1e6:.2f} us per request "
               f"({min(pools)} to {max(pools)} engines)")
+    if len(prompts) > 1:
+        per = slope({b: runs_by[pools[0], b] for b in prompts})
+        print(f"each KB of prompt adds {per * 1e9:.2f} us per request "
+              f"({min(prompts)} to {max(prompts)} bytes)")
     print(f"reproduce: python -m bench.messages --requests {n} --engines {args.engines} "
-          f"--reps {args.reps}")
+          f"--prompt-bytes {args.prompt_bytes} --reps {args.reps}")
     return 0
 
 

@@ -4,6 +4,8 @@ import json
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from narwhal.core.errors import HttpError
 from narwhal.core.request import parse_request, upstream_body
@@ -41,6 +43,18 @@ def test_integers_past_64_bits_reach_the_engine_as_the_client_wrote_them():
         "stream_interval": 1}
     # the usual body keeps the fast path
     assert parse({"model": "m", "messages": MSGS, "seed": 2**40}).wide is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.binary(max_size=8), st.sampled_from([b"1" * 18, b"9" * 19, b"0"])),
+                max_size=12).map(b"".join))
+def test_the_wide_integer_test_is_a_run_of_nineteen_digits(raw):
+    """The translate-and-find test says what the regex [0-9]{19} says, on any bytes."""
+    import re
+
+    from narwhal.core.request import _wide_integer
+
+    assert _wide_integer(raw) == (re.search(rb"[0-9]{19}", raw) is not None)
 
 
 def test_prompt_logprobs_pass_where_the_engine_can_serve_them():

