@@ -66,17 +66,10 @@ def _only_known(fields: dict[str, Any], known: frozenset[str], what: str) -> Non
             raise _unsupported(f"{what} field '{key}'")
 
 
-def _json(value: Any) -> bytes:
-    """Engine output as JSON text: orjson reads 1,024 levels of nesting and writes 254, so
-    an event nested between them is malformed output here, not a failure at the end."""
-    try:
-        return jsontext.text(value)
-    except TypeError:
-        raise _bad("nested deeper than 254 levels") from None
-
-
 def _hold(hold: Callable[[Any], _T], value: Any) -> _T:
-    """``hold(value)`` (a ``jsontext`` keeper), output nested past 254 levels malformed."""
+    """``hold(value)``, a ``jsontext`` writer or keeper: orjson reads 1,024 levels of
+    nesting and writes 254, so output nested between them is malformed when it comes,
+    not a failure at the response's end."""
     try:
         return hold(value)
     except TypeError:
@@ -297,7 +290,7 @@ class Assembler:
     # -- result ----------------------------------------------------------------
     def body(self, usage: dict[str, Any]) -> bytes:
         """The assembled response as JSON; ``usage`` is the engine's, or one Narwhal computed."""
-        return _json(self._result(usage))
+        return _hold(jsontext.text, self._result(usage))
 
     def _result(self, usage: dict[str, Any]) -> dict[str, Any]:
         if not self.choices:

@@ -285,7 +285,7 @@ class Exchange:
                      lead.token, lead.identity, leased_at)
         if isinstance(decision, Queued):
             self.phase = Phase.QUEUED
-            if len(raw) > PARK_BYTES:  # held as its bytes while it waits, parsed again to go
+            if self.request_bytes > PARK_BYTES:  # held as its bytes while it waits, parsed again to go
                 self.parked = raw
                 self.request = req.without_body()
             self._arm(min(self.deadline, now + self.router.config.admission.max_wait_ms / 1000))
