@@ -277,6 +277,40 @@ def workers_line(rows: list[Row]) -> list[str]:
     return ["", *out] if out else []
 
 
+def criteria(rows: list[Row]) -> list[str]:
+    """The data-path targets (the project's issue on this cost), each judged on this run:
+    Narwhal's CPU against Envoy alone's and against an absolute bound, the stack's
+    throughput against Envoy alone's, and ``workers: 2`` against one process."""
+    def row(workload: str, path: str) -> Row | None:
+        return next((r for r in rows if r.workload == workload and r.path == path), None)
+
+    out = []
+
+    def judge(what: str, ok: bool, measured: str) -> None:
+        out.append(f"  {'met    ' if ok else 'not met'}  {what}: {measured}")
+
+    for workload, unit, share, bound in (("non-streaming", "request", 1.0, 120.0),
+                                         ("paced streams", "token event", 0.3, 8.0)):
+        envoy, one = row(workload, "envoy"), row(workload, "narwhal-default")
+        if envoy is None or one is None:
+            continue
+        mine, theirs = one.cpu["narwhal"], envoy.cpu["envoy"]
+        judge(f"Narwhal's CPU per {unit} <= {share:g}x Envoy alone's and <= {bound:g} us",
+              mine <= share * theirs and mine <= bound,
+              f"{mine:.1f} us, {mine / theirs:.2f}x Envoy's {theirs:.1f}")
+        if workload == "non-streaming":
+            judge("Envoy + Narwhal throughput >= 50% of Envoy alone's",
+                  one.rate >= 0.5 * envoy.rate, f"{one.rate / envoy.rate:.1%}")
+        two = row(workload, "narwhal-workers2")
+        if two is not None:
+            workers = two.cpu["narwhal"] - two.cpu["scheduler"]
+            judge(f"workers: 2, the workers' CPU per {unit} within 10% of one process's "
+                  f"(the scheduler's {two.cpu['scheduler']:.1f} us reported apart)",
+                  workers <= 1.1 * one.cpu["narwhal"],
+                  f"{workers / one.cpu['narwhal'] - 1:+.0%}")
+    return ["", "targets (default configuration, this run):", *out] if out else []
+
+
 def capacity(rows: list[Row], per_engine_us: float) -> list[str]:
     """On paper: how much one core of Narwhal serves, from the measured costs; a request
     costs ``per_engine_us`` more for each engine of the pool (measured in process: this
@@ -362,7 +396,7 @@ def main() -> int:
     # What each engine of the pool adds to a request, in process (bench.messages).
     runs = messages.alternated(500, [(1, 0), (32, 0)], 3)
     per_engine = messages.slope({p: runs[p, 0] for p in (1, 32)}) * 1e6
-    for line in report(rows) + workers_line(rows) + capacity(rows, per_engine):
+    for line in report(rows) + workers_line(rows) + criteria(rows) + capacity(rows, per_engine):
         print(line)
     if args.plot:
         plot(rows, args.plot)
