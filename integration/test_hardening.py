@@ -259,3 +259,51 @@ def test_killed_engine_is_failed_and_detectable(doomed_stack):
     assert "data: [DONE]" not in lines
     after = settled(doomed_stack)["requests"]["terminal"]
     assert after["failed"] == before["failed"] + 1 and after["cancelled"] == before["cancelled"]
+
+
+@pytest.fixture(scope="module")
+def held_stack():
+    yield from _stack([SimSpec("sim-held")],
+                      {"serving": {"max_request_bytes": 262_144, "max_response_bytes": 262_144,
+                                   "max_held_bytes": 262_144}})
+
+
+def test_slow_uploads_are_held_within_the_process_budget(held_stack):
+    """A client that holds a body open (a slow upload) holds its bytes in Narwhal until it
+    ends: one process's requests together hold at most serving.max_held_bytes, past which a
+    new body is refused 429 (code held_bytes_full, Retry-After), counted rejected; the
+    held upload then completes, and its bytes are given back."""
+    import socket
+    from urllib.parse import urlsplit
+
+    import orjson
+
+    def body(size: int) -> bytes:
+        head = orjson.dumps({"model": MODEL, "max_tokens": 2,
+                             "messages": [{"role": "user", "content": ""}]})
+        cut = head.index(b'""') + 1
+        return head[:cut] + b"x" * (size - len(head)) + head[cut:]
+
+    big = body(60_000)
+    before = status(held_stack)["requests"]["terminal"]["rejected"]
+    url = urlsplit(held_stack.url)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: narwhal\r\n"
+                     b"Content-Type: application/json\r\nConnection: close\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(big) + big[:59_000])
+        wait_for(lambda: status(held_stack)["requests"]["held_bytes"] >= 59_000)
+        refused = httpx.post(f"{held_stack.url}/v1/chat/completions", content=body(210_000),
+                             headers={"content-type": "application/json"}, timeout=30)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "held_bytes_full"
+        sock.sendall(big[59_000:])
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200")
+    st = settled(held_stack)
+    assert st["requests"]["held_bytes"] == 0
+    assert st["requests"]["terminal"]["rejected"] == before + 1
+    ok = httpx.post(f"{held_stack.url}/v1/chat/completions", content=body(50_000),
+                    headers={"content-type": "application/json"}, timeout=30)
+    assert ok.status_code == 200

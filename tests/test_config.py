@@ -35,6 +35,8 @@ def test_defaults():
 @pytest.mark.parametrize(("data", "message"), [
     ({"serving": {"max_request_bytes": "big"}}, "serving.max_request_bytes: expected an integer"),
     ({"serving": {"max_request_bytes": 0}}, "must be positive"),
+    ({"serving": {"max_held_bytes": 0}}, "serving.max_held_bytes: must be positive"),
+    ({"serving": {"max_held_bytes": 1_000_000}}, "serving.max_held_bytes: what all requests"),
     ({"serving": {"modle": "x"}}, "serving.modle: unknown key"),
     ({"servng": {}}, "servng: unknown section"),
     ({"admission": {"mode": "eager"}}, "admission.mode: must be one of predictive, open"),

@@ -551,3 +551,64 @@ def test_a_large_body_is_held_as_its_bytes_while_queued_and_not_at_all_once_sent
     assert b"".join(a.data for a in second if isinstance(a, Body)) == sent
     assert two.parked is None and two.request.body == {"model": "narwhal-sim"}
     assert two.request.max_tokens == 4 and not two.request.stream
+
+
+def held_router(**serving) -> Router:
+    return ready(Router(parse({
+        "serving": {"max_request_bytes": 1000, "max_response_bytes": 2000,
+                    "max_held_bytes": 2000, **serving},
+        "admission": {"mode": "open"},
+        "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]})))
+
+
+def test_request_bodies_are_held_within_the_process_budget():
+    """A client can hold bodies open (a slow upload each): within serving.max_held_bytes,
+    not past the process's memory. Past it a new body is a capacity rejection (429,
+    Retry-After), and what a request held is given back when its body is sent or it ends."""
+    router = held_router()
+    part = b'{"model": "narwhal-sim", "max_tokens": 4, "messages": [{"role": "user", "content": "'
+    part += b"x" * (700 - len(part))
+    first, second, third = (Exchange(router) for _ in range(3))
+    for ex in (first, second):
+        ex.request_headers(HDRS, False)
+        assert ex.request_body(part, False) == []
+    assert router.held_bytes == 1400
+    third.request_headers(HDRS, False)
+    (imm,) = third.request_body(part, False)
+    assert isinstance(imm, Immediate) and imm.error.status == 429
+    assert imm.error.code == "held_bytes_full" and imm.error.retry_after == 1
+    assert router.accounting.terminal["rejected"] == 1 and router.held_bytes == 1400
+    h, *_ = first.request_body(b'"}]}', True)  # sent upstream: its bytes are given back
+    assert isinstance(h, Headers) and router.held_bytes == 700
+    second.close()  # a client gone mid-body gives its bytes back too
+    assert router.held_bytes == 0
+    again = Exchange(router)
+    again.request_headers(HDRS, False)
+    assert again.request_body(part, False) == [] and router.held_bytes == 700
+
+
+def test_an_assembly_past_the_process_budget_ends_its_request_alone():
+    """Non-streaming responses are held until assembled: one that would pass
+    serving.max_held_bytes ends 503 (Retry-After), another request's held bytes stay
+    counted, and the budget is whole again once both end."""
+    router = held_router(max_held_bytes=2500, max_response_bytes=2500)
+    waiting = Exchange(router)
+    waiting.request_headers(HDRS, False)
+    waiting.request_body(b'{"model": "narwhal-sim", "messages": [' + b" " * 800, False)
+    ex = Exchange(router)
+    admit(ex)
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
+    event = orjson.dumps({"id": "c", "choices": [{"index": 0, "delta": {"content": "y" * 400},
+                                                  "token_ids": [7]}]})
+    out = []
+    for _ in range(5):
+        out = ex.response_body(b"data: " + event + b"\n\n", False)
+        if out:
+            break
+    (imm,) = out
+    assert isinstance(imm, Immediate) and imm.error.status == 503
+    assert imm.error.code == "held_bytes_full" and imm.error.retry_after == 1
+    assert router.accounting.terminal["failed"] == 1
+    assert router.held_bytes == waiting.held_bytes > 800
+    waiting.close()
+    assert router.held_bytes == 0

@@ -287,11 +287,13 @@ def test_exchange_keeps_its_invariants(sequences):
             getattr(ex, step[0])(*step[1:])
             acct = router.accounting
             assert acct.balanced() and acct.in_flight >= 0 and router.held >= 0
+            assert router.held_bytes == sum(x.held_bytes for x in exchanges) >= 0
             assert all(e.prefill >= 0 and e.decode >= 0 for e in router.engines)
     for ex in exchanges:
         ex.close()
     acct = router.accounting
     assert acct.in_flight == 0 and router.held == 0 and acct.balanced()
+    assert router.held_bytes == 0
     assert all(e.in_flight == 0 for e in router.engines) and not router.scheduler.queue
 
 

@@ -33,6 +33,11 @@ class Serving:
     transport: str = "asyncio"
     max_event_bytes: int = 1_048_576
     max_response_bytes: int = 16_777_216
+    # What one process's requests may hold at once: request bodies until they are sent
+    # upstream (or refused), assembled non-streaming responses until they are written.
+    # Past it a new body is refused 429 and an assembly failed 503, rather than the
+    # process outgrowing its memory limit (the chart's: 1 GiB) and losing every request.
+    max_held_bytes: int = 268_435_456
     # Forward x-sim-* headers (the simulator's fault injection) to engines: tests and demos.
     forward_control_headers: bool = False
     # The ext_proc port's bounds against any peer that reaches it.
@@ -262,6 +267,7 @@ CHOICES = {
 }
 POSITIVE = {
     "serving.max_request_bytes", "serving.max_event_bytes", "serving.max_response_bytes",
+    "serving.max_held_bytes",
     "serving.max_connections", "serving.max_message_bytes", "serving.preface_timeout_ms",
     "serving.engine_stall_timeout_ms", "serving.workers",
     "admission.ttft_target_ms", "admission.retention_limit", "admission.max_wait_ms",
@@ -441,6 +447,10 @@ def parse(data: Any) -> Config:
         raise ConfigError("router.role: the lease decides the role when "
                           "router.leader_election.enabled; leave role unset")
     serving = kwargs["serving"]
+    if serving.max_held_bytes < max(serving.max_request_bytes, serving.max_response_bytes):
+        raise ConfigError("serving.max_held_bytes: what all requests may hold at once must "
+                          "fit one request's body and one response (serving.max_request_bytes,"
+                          f" serving.max_response_bytes); got {serving.max_held_bytes}")
     if serving.workers > 1:
         if serving.workers > MAX_WORKERS:
             raise ConfigError(f"serving.workers: at most {MAX_WORKERS}, got {serving.workers}")

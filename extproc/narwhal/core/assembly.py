@@ -120,6 +120,9 @@ class Assembler:
         self.choices: dict[int, _Choice] = {}
         self.prompt_token_ids: orjson.Fragment | None = None
         self.prompt_ids_seen = False
+        # About the bytes it holds (text, JSON text, tool call fragments): what the exchange
+        # counts against serving.max_held_bytes.
+        self.held = 0
 
     # -- feeding ---------------------------------------------------------------
     def feed(self, event: dict[str, Any]) -> None:
@@ -128,14 +131,14 @@ class Assembler:
             if key not in REBUILT and key not in meta and value is not None:
                 if len(meta) >= MAX_METADATA:
                     raise _unsupported(f"more than {MAX_METADATA} top-level fields")
-                meta[key] = _hold(jsontext.held, value)
+                meta[key] = self._keep(jsontext.held, value)
         ptids = event.get("prompt_token_ids")
         if ptids is not None and not self.prompt_ids_seen:
             if ptids.__class__ is not list:
                 raise _bad("prompt_token_ids is not an array")
             self.prompt_ids_seen = True
             if self.expose_ids and self.chat:
-                self.prompt_token_ids = _hold(jsontext.kept, ptids)
+                self.prompt_token_ids = self._keep(jsontext.kept, ptids)
         for choice in event["choices"]:
             index = choice.get("index", 0)
             if index.__class__ is not int or index < 0:
@@ -159,21 +162,21 @@ class Assembler:
             state.finish_reason = fr
             if "stop_reason" in choice:
                 state.has_stop_reason = True
-                state.stop_reason = _hold(jsontext.held, choice["stop_reason"])
+                state.stop_reason = self._keep(jsontext.held, choice["stop_reason"])
         elif choice.get("stop_reason") is not None:
             state.has_stop_reason = True
-            state.stop_reason = _hold(jsontext.held, choice["stop_reason"])
+            state.stop_reason = self._keep(jsontext.held, choice["stop_reason"])
         if self.expose_ids:
             ids = choice.get("token_ids")
             if ids:
                 if ids.__class__ is not list:
                     raise _bad("token_ids is not an array")  # engines without ID checks
-                _hold(state.token_ids.extend, ids)
+                self.held += _hold(state.token_ids.extend, ids)
             ptids = choice.get("prompt_token_ids")
             if ptids is not None and state.prompt_token_ids is None:
                 if ptids.__class__ is not list:
                     raise _bad("prompt_token_ids is not an array")
-                state.prompt_token_ids = _hold(jsontext.kept, ptids)
+                state.prompt_token_ids = self._keep(jsontext.kept, ptids)
 
     def _chat_choice(self, state: _Choice, choice: dict[str, Any]) -> None:
         _only_known(choice, CHAT_CHOICE_KEYS, "choice")
@@ -189,6 +192,7 @@ class Assembler:
                 if not isinstance(value, str):
                     raise _bad(f"delta.{key} is not a string")
                 state.strings.setdefault(key, []).append(value)
+                self.held += len(value)
             elif key == "tool_calls":
                 self._tool_calls(state, value)
             elif key == "function_call":
@@ -215,7 +219,7 @@ class Assembler:
                 if cur is None:
                     cur = JsonArray()
                     setattr(state, attr, cur)
-                _hold(cur.extend, part)
+                self.held += _hold(cur.extend, part)
 
     def _tool_calls(self, state: _Choice, calls: Any) -> None:
         if not isinstance(calls, list):
@@ -239,7 +243,9 @@ class Assembler:
             if cid is not None:
                 if not isinstance(cid, str):
                     raise _bad("tool call id is not a string")
-                tc.id_size = _join_repeat_aware(tc.id, cid, tc.id_size)
+                size = _join_repeat_aware(tc.id, cid, tc.id_size)
+                self.held += size - tc.id_size
+                tc.id_size = size
             fn = call.get("function")
             if fn is not None:
                 self._fragments(tc, fn, "tool call function")
@@ -249,8 +255,7 @@ class Assembler:
             state.function = _ToolCall()
         self._fragments(state.function, fn, "function_call")
 
-    @staticmethod
-    def _fragments(tc: _ToolCall, fn: Any, what: str) -> None:
+    def _fragments(self, tc: _ToolCall, fn: Any, what: str) -> None:
         if not isinstance(fn, dict):
             raise _bad(f"{what} is not an object")
         _only_known(fn, FUNCTION_KEYS, what)
@@ -258,12 +263,15 @@ class Assembler:
         if name is not None:
             if not isinstance(name, str):
                 raise _bad(f"{what} name is not a string")
-            tc.name_size = _join_repeat_aware(tc.name, name, tc.name_size)
+            size = _join_repeat_aware(tc.name, name, tc.name_size)
+            self.held += size - tc.name_size
+            tc.name_size = size
         args = fn.get("arguments")
         if args is not None:
             if not isinstance(args, str):
                 raise _bad(f"{what} arguments is not a string")
             tc.arguments.append(args)
+            self.held += len(args)
 
     def _text_choice(self, state: _Choice, choice: dict[str, Any]) -> None:
         _only_known(choice, TEXT_CHOICE_KEYS, "choice")
@@ -272,6 +280,7 @@ class Assembler:
             if not isinstance(text, str):
                 raise _bad("choice text is not a string")
             state.text.append(text)
+            self.held += len(text)
         lp = choice.get("logprobs")
         if lp is None:
             return
@@ -285,7 +294,13 @@ class Assembler:
                 continue
             if not isinstance(part, list):
                 raise _bad(f"logprobs.{key} is not an array")
-            _hold(state.lp_text[key].extend, part)
+            self.held += _hold(state.lp_text[key].extend, part)
+
+    def _keep(self, keep: Callable[[Any], tuple[_T, int]], value: Any) -> _T:
+        """``value`` as a ``jsontext`` keeper holds it, its size counted in ``held``."""
+        kept, size = _hold(keep, value)
+        self.held += size
+        return kept
 
     # -- result ----------------------------------------------------------------
     def body(self, usage: dict[str, Any]) -> bytes:

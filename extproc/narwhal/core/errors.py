@@ -73,6 +73,19 @@ def retention_full() -> HttpError:
                      "rate_limit_error", REJECTED, code="retention_full", retry_after=1)
 
 
+def held_bytes_full(limit: int, response: bool = False) -> HttpError:
+    """One process's requests hold ``serving.max_held_bytes``: a new body is a capacity
+    rejection (429); an assembly that would pass it ends its request (503)."""
+    what = ("the router cannot hold this response" if response
+            else "the router holds as many request and response bytes as it may")
+    msg = f"{what} (serving.max_held_bytes: {limit}); retry"
+    if response:
+        return HttpError(503, msg, "server_error", FAILED, code="held_bytes_full",
+                         retry_after=1)
+    return HttpError(429, msg, "rate_limit_error", REJECTED, code="held_bytes_full",
+                     retry_after=1)
+
+
 def prompt_too_long(alone_s: float, budget_s: float) -> HttpError:
     return HttpError(
         429, f"The prompt alone needs about {alone_s * 1000:.0f} ms to prefill, over the "

@@ -108,7 +108,7 @@ class Exchange:
                  "deadline", "budget_s", "tpot_budget_s", "ticket", "wake_at", "client_headers_sent",
                  "last_token_at", "strip", "engine_seen", "request_id", "candidates",
                  "decided_at", "ended_at", "error_code", "trace_headers", "recorded",
-                 "token_id_fault", "reply", "parked")
+                 "token_id_fault", "reply", "parked", "held_bytes")
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -118,6 +118,7 @@ class Exchange:
         self.buf: list[bytes] = []
         self.request: CompletionRequest | None = None
         self.parked: bytes | None = None  # a large queued request's body, as the client sent it
+        self.held_bytes = 0  # counted against serving.max_held_bytes (router.held_bytes)
         self.engine: EngineState | None = None
         self.meter: Meter | None = None
         self.relay: Relay | None = None
@@ -249,6 +250,8 @@ class Exchange:
         limit = self.router.config.serving.max_request_bytes
         if self.request_bytes > limit:
             return self._refuse(errors.request_too_large(limit))
+        if not self._take(len(chunk)):
+            return self._refuse(errors.held_bytes_full(self.router.config.serving.max_held_bytes))
         if not end_of_stream:
             return []
         self.request_ended = True
@@ -323,6 +326,7 @@ class Exchange:
         body = upstream_body(req, token_ids)
         if self.request_bytes > PARK_BYTES:
             self.request = req.without_body()
+        self._give_back()  # the body is on its way: what is counted now is the response's
         self.phase = Phase.UPSTREAM
         # The chosen engine first, then its ranked fallbacks (the endpoint-picker protocol).
         dest = ",".join([engine.endpoint, *(e.endpoint for e in ticket.fallbacks)])
@@ -511,6 +515,9 @@ class Exchange:
             if meter.first_token_seen or tokens:
                 raise
             return self._engine_refusal(exc)
+        if assembler.held > self.held_bytes and not self._take(assembler.held - self.held_bytes):
+            return self._end_failed(errors.held_bytes_full(
+                self.router.config.serving.max_held_bytes, response=True))
         if tokens:
             self._tokens(tokens)
         if not end_of_stream:
@@ -575,6 +582,9 @@ class Exchange:
         if self.response_bytes > self.router.config.serving.max_event_bytes:
             return self._refuse(errors.engine_failure(
                 f"engine answered HTTP {self.status} with an oversized body"))
+        if not self._take(len(chunk)):
+            return self._refuse(errors.held_bytes_full(
+                self.router.config.serving.max_held_bytes, response=True))
         if not end_of_stream:
             return []
         raw = b"".join(self.buf)
@@ -625,10 +635,26 @@ class Exchange:
         self._ended(terminal, out)
 
     def _ended(self, terminal: str, out: Outcome) -> None:
+        self._give_back()
         self.terminal = terminal
         self.phase = Phase.DONE
         self.ended_at = self.router.clock()
         self.router.control.release(self, terminal, out)
+
+    def _take(self, n: int) -> bool:
+        """Count ``n`` more bytes this request holds against ``serving.max_held_bytes``
+        (all of this process's requests together); False, counting nothing, where they
+        do not fit."""
+        router = self.router
+        if router.held_bytes + n > router.config.serving.max_held_bytes:
+            return False
+        router.held_bytes += n
+        self.held_bytes += n
+        return True
+
+    def _give_back(self) -> None:
+        self.router.held_bytes -= self.held_bytes
+        self.held_bytes = 0
 
     def _settle_passthrough(self) -> None:
         self.phase = Phase.DONE

@@ -53,7 +53,7 @@ def _usage(usage: Any) -> dict[str, Any]:
     for value in usage.values():
         if value.__class__ is dict or value.__class__ is list:
             try:
-                return {k: jsontext.held(v) for k, v in usage.items()}
+                return {k: jsontext.held(v)[0] for k, v in usage.items()}
             except TypeError:
                 raise EngineOutputError("engine usage nested deeper than 254 levels") from None
     return usage

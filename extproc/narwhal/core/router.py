@@ -50,6 +50,7 @@ class Router:
                                                        config.sizing.tokenizer)
         self.accounting = Accounting()
         self.held = 0  # requests inside the HTTP retention limit
+        self.held_bytes = 0  # what they hold against serving.max_held_bytes
         self.draining = False
         self.fenced = False
         self.started = False  # the first telemetry round has completed

@@ -101,6 +101,9 @@ class RouterCollector(Collector):
                                 value=len(self.router.scheduler.queue))
         yield GaugeMetricFamily("narwhal_requests_held", "Requests inside the retention limit",
                                 value=self.router.held)
+        yield GaugeMetricFamily("narwhal_held_bytes", "Request bodies and assembled responses "
+                                "held, against serving.max_held_bytes (this process)",
+                                value=self.router.held_bytes)
 
 
 def prediction_errors(router: Router) -> Iterator[Metric]:
