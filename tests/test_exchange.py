@@ -612,3 +612,24 @@ def test_an_assembly_past_the_process_budget_ends_its_request_alone():
     assert router.held_bytes == waiting.held_bytes > 800
     waiting.close()
     assert router.held_bytes == 0
+
+
+def test_an_event_still_being_received_counts_in_the_process_budget():
+    """The SSE parser holds an event until its end (up to serving.max_event_bytes): an
+    engine sending partial events to many streams holds that much; counted with the rest,
+    past the budget it ends its request (an error event for a stream), alone."""
+    router = held_router(max_held_bytes=2500, max_response_bytes=2500)
+    waiting = Exchange(router)
+    waiting.request_headers(HDRS, False)
+    waiting.request_body(b'{"model": "narwhal-sim", "messages": [' + b" " * 900, False)
+    ex = Exchange(router)
+    admit(ex, orjson.dumps({"model": "narwhal-sim", "stream": True, "max_tokens": 4,
+                            "messages": [{"role": "user", "content": "hi"}]}))
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
+    assert ex.response_body(b'data: {"choices": [' + b" " * 900, False) == []
+    assert waiting.held_bytes > 900 and ex.held_bytes > 900
+    assert router.held_bytes == waiting.held_bytes + ex.held_bytes
+    (body,) = ex.response_body(b" " * 700, False)
+    assert isinstance(body, Body) and body.end_of_stream and b"held_bytes_full" in body.data
+    assert router.accounting.terminal["failed"] == 1
+    assert router.held_bytes == waiting.held_bytes

@@ -470,6 +470,10 @@ class Exchange:
             return self._stream_error(out, exc)
         if tokens:
             self._tokens(tokens)
+        partial = self.parser.held()  # an event the engine is still sending (not a token's)
+        if partial > self.held_bytes and not self._take(partial - self.held_bytes):
+            return self._end_failed(errors.held_bytes_full(
+                self.router.config.serving.max_held_bytes, response=True), out)
         if end_of_stream:
             self._flush_relay(out)
             self._finish(errors.COMPLETED)
@@ -515,7 +519,8 @@ class Exchange:
             if meter.first_token_seen or tokens:
                 raise
             return self._engine_refusal(exc)
-        if assembler.held > self.held_bytes and not self._take(assembler.held - self.held_bytes):
+        held = assembler.held + self.parser.held()  # and the event still being received
+        if held > self.held_bytes and not self._take(held - self.held_bytes):
             return self._end_failed(errors.held_bytes_full(
                 self.router.config.serving.max_held_bytes, response=True))
         if tokens:

@@ -27,6 +27,11 @@ class SSEParser:
         self._size = 0  # raw bytes of the current event's complete lines
         self._max = max_event_bytes
 
+    def held(self) -> int:
+        """Raw bytes of the event still being received (its complete lines and the partial
+        line): what the parser holds until the event ends."""
+        return self._size + self._pending_size
+
     def _check(self) -> None:
         pending = self._pending_size
         if pending == 1 and self._pending[0] == b"\r":
