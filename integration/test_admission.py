@@ -143,6 +143,27 @@ def test_least_work_order_serves_the_cheaper_request_first(least_work_stack):
     assert done == [cheap, expensive]
 
 
+def test_a_large_queued_body_goes_upstream_as_it_would_unqueued(least_work_stack):
+    """A body over 16 KiB waits in the queue as the client's bytes and is parsed again to
+    go: the engine gets the same request as when it is sent at once (the same prompt
+    tokens, the same seeded answer)."""
+    st = least_work_stack
+    body = {"max_tokens": 5, "seed": 7,
+            "messages": [{"role": "user", "content": "narwhal tusk " * 2000}]}
+    first = background(st, {"max_tokens": 80})  # ~0.8 s
+    wait_for(st, lambda s: s["engines"][0]["in_flight"] == 1)
+    queued = background(st, body)
+    wait_for(st, lambda s: s["requests"]["queued"] == 1)
+    assert first.result().status_code == 200
+    late = queued.result()
+    wait_for(st, lambda s: s["requests"]["in_flight"] == 0)
+    direct = post(st, body)
+    assert late.status_code == direct.status_code == 200
+    a, b = late.json(), direct.json()
+    assert a["usage"] == b["usage"] and a["usage"]["prompt_tokens"] > 4000
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+
+
 @pytest.fixture(scope="module")
 def token_bound_stack():
     yield from _stack([SimSpec("slow", args=["--slow-start-ms", "600000"])],
