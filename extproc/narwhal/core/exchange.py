@@ -471,9 +471,8 @@ class Exchange:
         if tokens:
             self._tokens(tokens)
         partial = self.parser.held()  # an event the engine is still sending (not a token's)
-        if partial > self.held_bytes and not self._take(partial - self.held_bytes):
-            return self._end_failed(errors.held_bytes_full(
-                self.router.config.serving.max_held_bytes, response=True), out)
+        if partial > self.held_bytes and (ended := self._outgrown(partial, out)):
+            return ended
         if end_of_stream:
             self._flush_relay(out)
             self._finish(errors.COMPLETED)
@@ -519,12 +518,11 @@ class Exchange:
             if meter.first_token_seen or tokens:
                 raise
             return self._engine_refusal(exc)
-        held = assembler.held + self.parser.held()  # and the event still being received
-        if held > self.held_bytes and not self._take(held - self.held_bytes):
-            return self._end_failed(errors.held_bytes_full(
-                self.router.config.serving.max_held_bytes, response=True))
         if tokens:
             self._tokens(tokens)
+        held = assembler.held + self.parser.held()  # and the event still being received
+        if held > self.held_bytes and (ended := self._outgrown(held)):
+            return ended
         if not end_of_stream:
             return []
         usage = meter.usage or self._computed_usage()
@@ -587,9 +585,8 @@ class Exchange:
         if self.response_bytes > self.router.config.serving.max_event_bytes:
             return self._refuse(errors.engine_failure(
                 f"engine answered HTTP {self.status} with an oversized body"))
-        if not self._take(len(chunk)):
-            return self._refuse(errors.held_bytes_full(
-                self.router.config.serving.max_held_bytes, response=True))
+        if ended := self._outgrown(self.response_bytes):
+            return ended
         if not end_of_stream:
             return []
         raw = b"".join(self.buf)
@@ -656,6 +653,15 @@ class Exchange:
         router.held_bytes += n
         self.held_bytes += n
         return True
+
+    def _outgrown(self, held: int, out: list[bytes] | None = None) -> list[Action] | None:
+        """The response now holds ``held`` bytes (its assembly or error body, and the event
+        still arriving): the growth counted against ``serving.max_held_bytes``, or, past
+        it, what ends the request (503, or a stream's final error event)."""
+        if self._take(held - self.held_bytes):
+            return None
+        return self._end_failed(errors.held_bytes_full(
+            self.router.config.serving.max_held_bytes, response=True), out)
 
     def _give_back(self) -> None:
         self.router.held_bytes -= self.held_bytes
