@@ -1,7 +1,7 @@
 """Per-message cost of Narwhal's ext_proc server path, in process, without sockets.
 
     python -m bench.messages [--events N | --requests N [--engines P,Q | --prompt-bytes B,C]]
-                             [--reps R] [--opcodes]
+                             [--reps R] [--opcodes | --by-message]
 
 An ``h2`` client opens one ext_proc stream on a ``GrpcConnection`` (Narwhal's HTTP/2 and
 gRPC layers, the ext_proc adapter, the driver and the exchange, as served), takes a
@@ -285,6 +285,27 @@ async def run_requests(requests: int, warm: int = 0, engines: int = 1,
     return total / requests
 
 
+MESSAGES = ("request headers", "request body", "response headers",
+            *(f"response chunk {i + 1}" for i in range(8)), "end of response")
+
+
+async def by_message(requests: int, engines: int = 1, prompt_bytes: int = 0
+                     ) -> list[float]:
+    """Median seconds of each of a request's 12 messages (``MESSAGES``) over ``requests``
+    requests, after as many unmeasured: where a request's cost is (the first token's
+    learning falls in the first chunk, completion and the assembled answer in the end)."""
+    conn, transport, client, _ = await setup(engines)
+    body = request_body(prompt_bytes)
+    times: list[list[float]] = [[] for _ in MESSAGES]
+    for i in range(2 * requests):
+        for k, data in enumerate(request_reads(client, 8, body)):
+            elapsed = _feed(conn, [data])
+            if i >= requests:
+                times[k].append(elapsed)
+        exchange_bytes(conn, transport, client)
+    return [statistics.median(t) for t in times]
+
+
 def alternated(requests: int, cases: list[tuple[int, int]], reps: int
                ) -> dict[tuple[int, int], list[float]]:
     """Seconds per request for each (pool size, prompt bytes), ``reps`` runs each; the cases
@@ -322,7 +343,12 @@ def main() -> int:
     parser.add_argument("--opcodes", action="store_true",
                         help="count bytecode instructions per unit (after as many unmeasured "
                              "requests as measured) instead of timing")
+    parser.add_argument("--by-message", action="store_true",
+                        help="with --requests: each message's median time instead of the "
+                             "request's")
     args = parser.parse_args()
+    if args.by_message and not args.requests:
+        parser.error("--by-message measures --requests")
     if args.requests:
         n, flag = args.requests, "--requests"
         unit = "non-streaming request of 16 tokens in 8 chunks, 12 messages"
@@ -340,6 +366,16 @@ def main() -> int:
             asyncio.run(run(n))
         COUNT.report(n, unit)
         print(f"reproduce: python -m bench.messages {flag} {n} --opcodes")
+        return 0
+    if args.by_message:
+        medians = asyncio.run(by_message(n, pools[0], prompts[0]))
+        print(f"ext_proc server path, in process, {pools[0]} engine(s), prompt "
+              f"{prompts[0] or 'hello there'}: median us per message of {n} requests")
+        for name, t in zip(MESSAGES, medians, strict=True):
+            print(f"  {name:18s} {t * 1e6:8.1f}")
+        print(f"  {'sum':18s} {sum(medians) * 1e6:8.1f}")
+        print(f"reproduce: python -m bench.messages --requests {n} --engines {pools[0]} "
+              f"--prompt-bytes {prompts[0]} --by-message")
         return 0
     if not args.requests:
         runs = [asyncio.run(run(n)) for _ in range(args.reps)]

