@@ -112,6 +112,28 @@ def test_stalled_stream_ends_with_an_error_event_and_frees_the_slot(stall_stack)
     assert st["engines"][0]["in_flight"] == 0 and st["requests"]["in_flight"] == 0
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_keepalives_without_tokens_are_a_stall(stall_stack, stream):
+    """After two tokens the engine sends only SSE comments, every 100 ms against the 0.5 s
+    stall timeout: bytes, no progress. The request ends engine_stalled and frees its slot
+    (before, each comment restarted the stall clock and the stream never ended)."""
+    before = status(stall_stack)["requests"]["terminal"]["failed"]
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 20, "stream": stream}
+    url = f"{stall_stack.url}/v1/chat/completions"
+    headers = {"x-sim-fault": "keepalive"}
+    if stream:
+        with httpx.stream("POST", url, json=body, timeout=30, headers=headers) as resp:
+            events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+        assert '"engine_stalled"' in events[-1] and "[DONE]" not in events
+        assert any('"content"' in e for e in events[:-1])  # the two tokens came first
+    else:
+        resp = httpx.post(url, json=body, timeout=30, headers=headers)
+        assert resp.status_code == 504 and resp.json()["error"]["code"] == "engine_stalled"
+    st = status(stall_stack)
+    assert st["requests"]["terminal"]["failed"] == before + 1
+    assert st["engines"][0]["in_flight"] == 0 and st["requests"]["in_flight"] == 0
+
+
 def test_stalled_non_streaming_request_is_a_504(stall_stack):
     resp = httpx.post(f"{stall_stack.url}/v1/chat/completions", timeout=30,
                       headers={"x-sim-fault": "stall"},

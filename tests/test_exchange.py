@@ -378,6 +378,46 @@ def test_a_stalled_engine_fails_the_request_and_frees_its_slot(stream):
 
 
 @pytest.mark.parametrize("stream", [True, False])
+def test_bytes_without_output_are_no_progress(stream):
+    """After its first tokens the engine sends only SSE comments (a proxy's keepalives), an
+    event without tokens and the start of an event it never finishes, each within the
+    stall timeout of the last: none restarts the stall clock, and the request fails when
+    the timeout has passed since its last token (before: each restarted it, and such an
+    engine held the request and its slot for as long as max_response_bytes lasted)."""
+    now = [100.0]
+    router = stall_router(lambda: now[0])
+    ex = Exchange(router)
+    up = admit(ex, orjson.dumps(orjson.loads(BODY) | {"stream": stream}))
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
+    first = engine_stream(up).split(b"\n\n")
+    ex.response_body(first[0] + b"\n\n" + first[1] + b"\n\n", False)
+    last_token = now[0]
+    assert router.engines[0].decode == 1
+    empty = orjson.loads(first[1][6:])
+    for choice in empty["choices"]:
+        choice.pop("token_ids", None)
+        for field in ("delta", "text", "logprobs"):
+            if field in choice:
+                choice[field] = {} if field == "delta" else None if field == "logprobs" else ""
+    idle = [b": keepalive\n\n", b"data: " + orjson.dumps(empty) + b"\n\n"] * 2
+    for chunk in [*idle, b"data: {\"id\""]:
+        now[0] += 0.25
+        assert all(not a.end_of_stream for a in ex.response_body(chunk, False))
+    assert router.engines[0].decode == 1  # still held: nothing ended it yet
+    now[0] = ex.wake_at
+    assert now[0] == pytest.approx(last_token + 1.0)
+    actions = ex.expire()
+    if stream:
+        (body,) = actions
+        assert body.end_of_stream and b"engine_stalled" in body.data
+    else:
+        (imm,) = actions
+        assert imm.error.status == 504 and imm.error.code == "engine_stalled"
+    assert router.accounting.terminal["failed"] == 1
+    assert router.engines[0].in_flight == 0 and router.accounting.in_flight == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
 def test_before_its_first_token_a_request_is_not_stalled_within_its_ttft_budget(stream):
     """A 5 s TTFT budget against a 1 s stall timeout: the engine's queue may hold the
     first token that long (admission projected it), so the silence after the response

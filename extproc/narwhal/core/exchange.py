@@ -141,7 +141,7 @@ class Exchange:
         self.client_headers_sent = False
         self.last_token_at = 0.0
         self.strip: list[str] = []  # client headers not to forward
-        self.engine_seen = 0.0  # when the engine last sent response bytes
+        self.engine_seen = 0.0  # its response headers, then its latest output token
         self.request_id = ""  # Envoy's x-request-id: how its access log names this exchange
         self.candidates: frozenset[str] | None = None  # endpoints allowed (subset hint)
         self.decided_at: float | None = None  # when admission answered
@@ -426,7 +426,6 @@ class Exchange:
             return [Body(True, chunk, end_of_stream)]
         if self.phase is not Phase.RESPONSE_BODY:
             return []
-        self.engine_seen = self.router.clock()  # the stall timer reads this when it fires
         if self.upstream_error:
             return self._upstream_error(chunk, end_of_stream)
         try:
@@ -544,6 +543,7 @@ class Exchange:
         t = self.ticket
         first = t is not None and t.first_token_at is None
         self.router.control.token(self, now, first)  # it left at the end of an engine step
+        self.engine_seen = now  # progress: the stall timer reads this when it fires
         if first:
             self.router.control.first_token(self, now)
             # The budget's wait is over: the stall timeout alone now. Only where that is
@@ -710,9 +710,16 @@ class Exchange:
         self._arm(stall_end if self.relay is not None else min(stall_end, self.deadline))
 
     def _stall_end(self) -> float:
-        """When the engine's silence becomes a stall: the stall timeout after its last
-        bytes, and before the first token never sooner than the request's TTFT budget
-        runs out. Why: admission promised the first token within the budget, so an engine
+        """When the engine's silence becomes a stall: the stall timeout after its latest
+        output token (before the first, after its response headers), and before the first
+        token never sooner than the request's TTFT budget runs out.
+
+        Bytes that carry no output are no progress: SSE comments (the keepalives a proxy
+        in front of an engine may send), events without tokens, a partial event. An
+        engine that keeps the connection alive while generating nothing would otherwise
+        hold its slot for as long as ``serving.max_response_bytes`` lasts.
+
+        The budget: admission promised the first token within it, so an engine
         whose own queue holds it that long is doing what was projected; a budget past the
         stall timeout (``x-slo-ttft-ms`` up to ``admission.max_ttft_target_ms``) was
         otherwise broken by Narwhal itself, a request ended as stalled while the engine
@@ -736,9 +743,10 @@ class Exchange:
         return end
 
     def _stall_check(self, now: float) -> list[Action]:
-        """The engine has been silent for serving.engine_stall_timeout_ms: fail the request
-        and free its slot, rather than hold it until the client gives up. One timer per
-        request, re-armed lazily from ``engine_seen``, so tokens cost no timer work."""
+        """The engine has made no progress for serving.engine_stall_timeout_ms
+        (``_stall_end``): fail the request and free its slot, rather than hold it until the
+        client gives up. One timer per request, re-armed lazily from ``engine_seen``, so
+        tokens cost no timer work."""
         stall_end = self._stall_end()
         if now >= stall_end - TIMER_SLACK:
             return self._end_failed(errors.engine_stalled(

@@ -56,6 +56,7 @@ FAULTS = frozenset(
         "slow-start",
         "omit-usage",
         "stall",
+        "keepalive",
     }
 )
 OUTPUTS = frozenset({"refusal", "function-call", "multi-tool"})
@@ -702,6 +703,10 @@ def stream_events(plan: Plan) -> Iterator[tuple[str, bytes]]:
             return
         if plan.fault == "stall" and step_no == 3:
             yield "stall", b""  # the engine hangs: no more bytes, the connection stays open
+        if plan.fault == "keepalive" and step_no == 3:
+            # It hangs too, but something in front of it keeps the stream alive with SSE
+            # comments (as some proxies do): bytes, never a token.
+            yield "keepalive", b""
     yield "done", b"data: [DONE]\n\n"
 
 

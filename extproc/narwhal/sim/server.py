@@ -43,6 +43,8 @@ from .generate import (
 
 log = logging.getLogger("narwhal.sim")
 PROMPT_BYTES_PER_TOKEN = 4  # generate.count_prompt_tokens
+KEEPALIVE = b": keepalive\n\n"  # the ``keepalive`` fault's comment, every KEEPALIVE_S
+KEEPALIVE_S = 0.1
 
 
 def _hashes(plan: Plan) -> tuple[list[int], list[int]]:
@@ -320,6 +322,13 @@ class Engine:
                         await resp.write(b"".join(pending))
                         pending.clear()
                     await asyncio.sleep(3600)  # until the peer gives up and the task is cancelled
+                if kind == "keepalive":
+                    if pending:
+                        await resp.write(b"".join(pending))
+                        pending.clear()
+                    while True:  # until the peer gives up and the task is cancelled
+                        await resp.write(KEEPALIVE)
+                        await asyncio.sleep(KEEPALIVE_S)
                 if kind == "abort":
                     if pending:
                         await resp.write(b"".join(pending))
