@@ -97,7 +97,8 @@ def test_control_headers_forwarded_when_configured(stack):
 @pytest.fixture(scope="module")
 def stall_stack():
     yield from _stack([SimSpec("sim-stall", args=["--tpot-ms", "20"])],
-                      {"serving": {"engine_stall_timeout_ms": 500}})
+                      {"serving": {"engine_stall_timeout_ms": 500,
+                                   "request_body_timeout_ms": 1000}})
 
 
 def test_stalled_stream_ends_with_an_error_event_and_frees_the_slot(stall_stack):
@@ -132,6 +133,37 @@ def test_keepalives_without_tokens_are_a_stall(stall_stack, stream):
     st = status(stall_stack)
     assert st["requests"]["terminal"]["failed"] == before + 1
     assert st["engines"][0]["in_flight"] == 0 and st["requests"]["in_flight"] == 0
+
+
+def test_a_body_slower_than_the_body_timeout_is_refused_408(stall_stack):
+    """A raw client sends its headers and half its body, then nothing: Envoy answers the
+    408 Narwhal decides once serving.request_body_timeout_ms (1 s here) has passed since
+    the headers (before: the request held its retention slot until its 600 s deadline, and
+    this read timed out). Counted expired and unsized; nothing left held."""
+    import socket
+    from urllib.parse import urlsplit
+
+    import orjson
+
+    before = status(stall_stack)["requests"]
+    body = orjson.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 2})
+    url = urlsplit(stall_stack.url)
+    with socket.create_connection((url.hostname, url.port), timeout=20) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: narwhal\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body[:len(body) // 2])
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            assert chunk, answer
+            answer += chunk
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), head
+    assert orjson.loads(payload)["error"]["code"] == "request_body_timeout"
+    st = settled(stall_stack)["requests"]
+    assert st["terminal"]["expired"] == before["terminal"]["expired"] + 1
+    assert st["unsized_offered"] == before["unsized_offered"] + 1
+    assert st["held_bytes"] == 0 and st["in_flight"] == 0
 
 
 def test_stalled_non_streaming_request_is_a_504(stall_stack):

@@ -338,6 +338,48 @@ def test_failure_at_queue_dispatch_stays_in_its_request(monkeypatch):
     assert router.accounting.terminal["cancelled"] == 1 and router.dispatched == []
 
 
+def test_a_body_slower_than_its_timeout_is_refused_408():
+    """A client that sends its headers and then its body a few bytes at a time: refused
+    once serving.request_body_timeout_ms has passed since its headers (before, it held its
+    retention slot and its bytes until the request's deadline, 600 s). A body that comes
+    in time is served; a client deadline sooner than the body timeout is a 504, as any
+    deadline before response headers."""
+    now = [100.0]
+    router = ready(Router(parse({"serving": {"request_body_timeout_ms": 2000},
+                                 "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]}),
+                          clock=lambda: now[0]))
+    slow = Exchange(router)
+    assert slow.request_headers(HDRS, False) == []
+    assert slow.wake_at == pytest.approx(102.0)
+    assert slow.request_body(BODY[:10], False) == []
+    now[0] = 101.0
+    assert slow.expire() == [] and slow.wake_at == pytest.approx(102.0)  # early: again later
+    assert slow.request_body(BODY[10:20], False) == []
+    assert router.held == 1 and router.held_bytes == 20
+    now[0] = 102.0
+    (imm,) = slow.expire()
+    assert isinstance(imm, Immediate)
+    assert imm.error.status == 408 and imm.error.code == "request_body_timeout"
+    assert router.held == 0 and router.held_bytes == 0 and slow.wake_at is None
+    assert router.accounting.terminal["expired"] == 1 and router.accounting.unsized_offered == 1
+    assert slow.request_body(BODY[20:], True) == []  # the rest comes too late: nothing
+
+    in_time = Exchange(router)
+    in_time.request_headers(HDRS, False)
+    in_time.request_body(BODY[:10], False)
+    now[0] = 103.9
+    actions = in_time.request_body(BODY[10:], True)
+    assert isinstance(actions[0], Headers)  # sent upstream
+    assert in_time.wake_at == pytest.approx(in_time.deadline)  # the body timeout is over
+
+    hurried = Exchange(router)
+    hurried.request_headers(HDRS | {"x-request-timeout-ms": "1000"}, False)
+    assert hurried.wake_at == pytest.approx(now[0] + 1.0)
+    now[0] = hurried.wake_at
+    (imm,) = hurried.expire()
+    assert imm.error.status == 504 and imm.error.code == "terminal_expiry"
+
+
 def stall_router(clock) -> Router:
     return ready(Router(parse({"serving": {"engine_stall_timeout_ms": 1000},
                                "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]}),

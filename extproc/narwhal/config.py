@@ -40,6 +40,9 @@ class Serving:
     max_held_bytes: int = 268_435_456
     # Forward x-sim-* headers (the simulator's fault injection) to engines: tests and demos.
     forward_control_headers: bool = False
+    # A request body not whole this long after its headers is refused 408 (a slow upload
+    # would otherwise hold a retention slot until the request's deadline, 600 s).
+    request_body_timeout_ms: int = 60_000
     # The ext_proc port's bounds against any peer that reaches it.
     # An engine silent this long while responding fails the request and frees its slot.
     engine_stall_timeout_ms: int = 30_000
@@ -269,7 +272,7 @@ POSITIVE = {
     "serving.max_request_bytes", "serving.max_event_bytes", "serving.max_response_bytes",
     "serving.max_held_bytes",
     "serving.max_connections", "serving.max_message_bytes", "serving.preface_timeout_ms",
-    "serving.engine_stall_timeout_ms", "serving.workers",
+    "serving.engine_stall_timeout_ms", "serving.request_body_timeout_ms", "serving.workers",
     "admission.ttft_target_ms", "admission.retention_limit", "admission.max_wait_ms",
     "admission.request_timeout_ms", "admission.max_ttft_target_ms",
     "admission.ttft_target_share",

@@ -136,6 +136,12 @@ def terminal_expiry(why: str) -> HttpError:
                      EXPIRED, code="terminal_expiry")
 
 
+def request_body_timeout(limit_ms: int) -> HttpError:
+    return HttpError(408, f"The request body did not arrive within "
+                          f"serving.request_body_timeout_ms ({limit_ms} ms)",
+                     "timeout_error", EXPIRED, code="request_body_timeout")
+
+
 def backend_unavailable() -> HttpError:
     return HttpError(503, "No placement-eligible engine is available", "service_unavailable",
                      UNAVAILABLE, code="backend_unavailable", retry_after=1)

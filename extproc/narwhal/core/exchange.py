@@ -211,7 +211,7 @@ class Exchange:
         self.budget_s = budget_ms * adm.ttft_target_share / 1000
         self.tpot_budget_s = tpot_ms / 1000 if tpot_ms else None
         self.deadline = now + timeout_ms / 1000
-        self._arm(self.deadline)
+        self._arm(min(self.deadline, self._body_end()))
         self.phase = Phase.REQUEST_BODY
         if end_of_stream:
             return self.request_body(b"", True)
@@ -264,6 +264,7 @@ class Exchange:
         self.request = req
         self.sized = True
         now = self.router.clock()
+        self._arm(self.deadline)  # the body is whole: its deadline alone until admitted
         tokens = self.router.sizer.estimate(req.prompt_bytes, req.prompt_text)
         self.ticket = Ticket(self, tokens, self.arrival, self.budget_s, self.deadline,
                              candidates=self.candidates, tpot_budget_s=self.tpot_budget_s)
@@ -692,6 +693,11 @@ class Exchange:
             return self._stall_check(now)
         if self.client_headers_sent:
             return []
+        if self.phase is Phase.REQUEST_BODY:
+            body_end = self._body_end()
+            if now >= body_end - TIMER_SLACK and body_end < self.deadline:
+                return self._refuse(errors.request_body_timeout(
+                    self.router.config.serving.request_body_timeout_ms))
         t = self.ticket
         wait_end = None
         if self.phase is Phase.QUEUED and t is not None and t.queued_at is not None:
@@ -700,8 +706,17 @@ class Exchange:
             return self._refuse(errors.terminal_expiry("the admission wait expired"))
         if now >= self.deadline - TIMER_SLACK:
             return self._refuse(errors.terminal_expiry("the request deadline expired"))
+        if self.phase is Phase.REQUEST_BODY:
+            wait_end = self._body_end()
         self._arm(self.deadline if wait_end is None else min(wait_end, self.deadline))
         return []
+
+    def _body_end(self) -> float:
+        """When a body still arriving is too slow: ``serving.request_body_timeout_ms``
+        after its headers. A slow upload (a few bytes now and then) would otherwise hold
+        its retention slot, and its bytes, until the request's deadline: the retention
+        limit's 1,024 such uploads refuse every other request for 600 s."""
+        return self.arrival + self.router.config.serving.request_body_timeout_ms / 1000
 
     def _arm_stall(self, stall_end: float | None = None) -> None:
         """Arm the stall timer (``stall_end``: ``_stall_end()``, where already computed)."""
