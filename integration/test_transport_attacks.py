@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from narwhal.launch import SimSpec, Stack
 from narwhal.server import http2
 
-from .conftest import _stack
+from .conftest import _stack, wait_for
 
 CHECK = "/grpc.health.v1.Health/Check"
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
@@ -34,7 +34,8 @@ TICK = os.sysconf("SC_CLK_TCK")
 @pytest.fixture(scope="module")
 def router() -> Iterator[Stack]:
     yield from _stack([SimSpec("sim-t")], {"serving": {"preface_timeout_ms": 500,
-                                                       "max_connections": 64}})
+                                                       "max_connections": 64,
+                                                       "max_streams": 1000}})
 
 
 class Usage:
@@ -264,3 +265,45 @@ def test_echoed_bodies_not_read_back_are_bounded(router):
                     sent += 16384
         assert sent < 32 << 20, "the router kept accepting input it could not send back"
 
+
+
+
+def test_idle_streams_are_bounded_across_connections(router):
+    """1,100 streams opened and never written to: past serving.max_streams (1,000 here)
+    each new one is answered RESOURCE_EXHAUSTED at once, in order, so the router holds at
+    most that many calls' state whatever a peer opens (before: 16,384 a connection, ~2 KB
+    each, on each of max_connections); the bound is the process's, so another
+    connection's stream is refused too; once the peer goes, the port serves again."""
+    def settings(evs: list) -> bool:
+        return any(isinstance(e, h2.events.RemoteSettingsChanged) for e in evs)
+
+    with attack(router) as peer:
+        peer.events(settings)  # the router's stream limit, before opening past h2's 100
+        sids = [peer.headers(PROCESS) for _ in range(1100)]
+        events = peer.events(lambda evs: sum(grpc_status(evs, s) is not None
+                                             for s in sids) >= 95, timeout=20)
+        refused = [s for s in sids if grpc_status(events, s) is not None]
+        first = sids.index(refused[0])
+        assert 990 <= first <= 1000  # a stream or two of other tests' peers may still be open
+        assert refused == sids[first:first + len(refused)]  # the newest, in order
+        assert {grpc_status(events, s) for s in refused} == {8}  # RESOURCE_EXHAUSTED
+        other = Peer(router)
+        try:
+            other.events(settings)
+            sid = other.headers(CHECK)
+            other.h2.send_data(sid, b"\x00\x00\x00\x00\x00", end_stream=True)
+            other.flush()
+            assert grpc_status(other.events(lambda evs: grpc_status(evs, sid) is not None),
+                               sid) == 8
+        finally:
+            other.close()
+        peer.close()
+
+        def recovered() -> bool:
+            try:
+                serving(router)
+            except grpc.RpcError:
+                return False  # the router has not yet read the peer's close
+            return True
+
+        wait_for(recovered)

@@ -90,3 +90,66 @@ def test_a_connection_error_sends_goaway_then_drops_the_rest_until_the_linger_en
         assert conn.linger.cancelled()
 
     asyncio.run(run())
+
+
+def test_open_streams_are_bounded_across_connections():
+    """serving.max_streams counts streams on all of a process's connections: past it a new
+    stream is answered RESOURCE_EXHAUSTED at once and no call is made for it (before, a
+    peer could open 16,384 idle streams on each connection, ~2 KB of state each); a stream
+    that ends, is reset, or goes with its connection gives its place back."""
+    from narwhal.server.grpc_server import RESOURCE_EXHAUSTED, StreamBudget
+
+    budget = StreamBudget(3)
+    calls: list[Call] = []
+    routes = {b"/svc/M": lambda stream: calls.append(Call(stream)) or calls[-1]}
+
+    def connect() -> tuple[GrpcConnection, Transport, h2.connection.H2Connection]:
+        conn = GrpcConnection(routes, budget=budget)
+        t = Transport()
+        conn.transport = t  # type: ignore[assignment]
+        conn.http2.initiate()
+        peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        peer.initiate_connection()
+        return conn, t, peer
+
+    def open_stream(conn, t, peer) -> tuple[int, list]:
+        sid = peer.get_next_available_stream_id()
+        peer.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                                (":path", "/svc/M"), ("content-type", "application/grpc")])
+        sent = len(t.written)
+        conn.data_received(peer.data_to_send())
+        return sid, peer.receive_data(t.written[sent:])
+
+    def status(events: list, sid: int) -> int | None:
+        for e in events:
+            if isinstance(e, h2.events.ResponseReceived | h2.events.TrailersReceived) \
+                    and e.stream_id == sid:
+                found = dict(e.headers).get(b"grpc-status")
+                if found is not None:
+                    return int(found)
+        return None
+
+    async def run() -> None:
+        a, b = connect(), connect()
+        for _ in range(2):
+            sid, events = open_stream(*a)
+            assert status(events, sid) is None
+        sid_b, events = open_stream(*b)
+        assert status(events, sid_b) is None and budget.open == 3 and len(calls) == 3
+        over, events = open_stream(*a)
+        assert status(events, over) == RESOURCE_EXHAUSTED
+        assert len(calls) == 3 and budget.open == 3 and over not in a[0].streams
+        # A reset stream gives its place back.
+        b[2].reset_stream(sid_b)
+        b[0].data_received(b[2].data_to_send())
+        assert budget.open == 2 and calls[2].cancelled
+        sid, events = open_stream(*b)
+        assert status(events, sid) is None and budget.open == 3
+        # So does a stream that ends: the call finishes it.
+        calls[-1].stream.finish()
+        assert budget.open == 2
+        # And every stream of a connection that goes.
+        a[0].connection_lost(None)
+        assert budget.open == 0
+
+    asyncio.run(run())

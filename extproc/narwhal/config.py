@@ -47,6 +47,9 @@ class Serving:
     # An engine silent this long while responding fails the request and frees its slot.
     engine_stall_timeout_ms: int = 30_000
     max_connections: int = 1024
+    # Open gRPC streams across those connections (each an HTTP request in Envoy; the
+    # retention limit refuses completion requests long before): past it, RESOURCE_EXHAUSTED.
+    max_streams: int = 16384
     max_message_bytes: int = 4_194_304
     preface_timeout_ms: int = 10_000
     # ext_proc worker processes around this one (server/workers.py); 1: this process
@@ -271,7 +274,8 @@ CHOICES = {
 POSITIVE = {
     "serving.max_request_bytes", "serving.max_event_bytes", "serving.max_response_bytes",
     "serving.max_held_bytes",
-    "serving.max_connections", "serving.max_message_bytes", "serving.preface_timeout_ms",
+    "serving.max_connections", "serving.max_streams", "serving.max_message_bytes",
+    "serving.preface_timeout_ms",
     "serving.engine_stall_timeout_ms", "serving.request_body_timeout_ms", "serving.workers",
     "admission.ttft_target_ms", "admission.retention_limit", "admission.max_wait_ms",
     "admission.request_timeout_ms", "admission.max_ttft_target_ms",

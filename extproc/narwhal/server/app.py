@@ -30,7 +30,7 @@ from .grpc_health import (
     HealthRegistry,
     serving_status,
 )
-from .grpc_server import Call, GrpcConnection, Stream
+from .grpc_server import Call, GrpcConnection, Stream, StreamBudget
 from .loop import install_uvloop
 from .telemetry import telemetry_loop
 
@@ -60,6 +60,7 @@ async def listen_grpc(serving: Serving, routes: dict[bytes, Callable[[Stream], C
     """Serve gRPC ``routes`` on ``serving.host:port`` (None: no TCP) and the Unix socket
     ``socket_path`` ("" none), within ``serving``'s connection bounds; returns stop."""
     connections: set[GrpcConnection] = set()
+    budget = StreamBudget(serving.max_streams)
 
     def factory() -> GrpcConnection:
         full = len(connections) >= serving.max_connections
@@ -68,7 +69,8 @@ async def listen_grpc(serving: Serving, routes: dict[bytes, Callable[[Stream], C
                         serving.max_connections)
         conn = GrpcConnection(routes, max_message=serving.max_message_bytes,
                               on_lost=connections.discard,
-                              preface_timeout=serving.preface_timeout_ms / 1000, refuse=full)
+                              preface_timeout=serving.preface_timeout_ms / 1000, refuse=full,
+                              budget=budget)
         if not full:
             connections.add(conn)
         return conn
@@ -108,7 +110,8 @@ async def _start_asyncio(config: Config, runtime: Runtime) -> Callable[[], Await
 async def _start_grpcio(config: Config, runtime: Runtime) -> Callable[[], Awaitable[None]]:
     router = runtime.router
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", config.serving.max_message_bytes),
-                                      ("grpc.so_reuseport", 0)])
+                                      ("grpc.so_reuseport", 0)],
+                             maximum_concurrent_rpcs=config.serving.max_streams)
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(runtime), server)
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)

@@ -11,7 +11,8 @@ holds the router state: no thread handoffs, one socket write per read.
 Scope is what Envoy's gRPC client uses: unary and streaming calls over h2c with prior
 knowledge, identity encoding, status in trailers. Message size is bounded
 (RESOURCE_EXHAUSTED past it), so is what a peer can make a connection hold (see
-``Stream``), and a connection must send the HTTP/2 preface in time.
+``Stream``) and the streams open across connections (``StreamBudget``), and a
+connection must send the HTTP/2 preface in time.
 """
 
 from __future__ import annotations
@@ -114,18 +115,34 @@ class Stream:
         self.conn.flush(self)
 
 
+class StreamBudget:
+    """Open streams across a process's connections, against ``serving.max_streams``.
+    Why: HTTP/2 bounds streams per connection (16,384 each), and each open stream holds
+    its call's state (~2 KB: an idle ext_proc stream's exchange, driver and framing), so
+    a peer that opens streams and sends nothing on them held up to 16,384 x
+    ``serving.max_connections`` of them (32 GB at the defaults)."""
+
+    __slots__ = ("limit", "open")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+
+
 class GrpcConnection(asyncio.Protocol):
     """One HTTP/2 connection from Envoy; routes each stream to a call factory by path."""
 
     def __init__(self, routes: dict[bytes, Callable[[Stream], Call]],
                  max_message: int = MAX_MESSAGE,
                  on_lost: Callable[[GrpcConnection], None] | None = None,
-                 preface_timeout: float = PREFACE_TIMEOUT_S, refuse: bool = False) -> None:
+                 preface_timeout: float = PREFACE_TIMEOUT_S, refuse: bool = False,
+                 budget: StreamBudget | None = None) -> None:
         self.routes = routes
         self.max_message = max_message
         self.on_lost = on_lost
         self.preface_timeout = preface_timeout
         self.refuse = refuse
+        self.budget = budget
         self.transport: asyncio.Transport | None = None
         self.http2 = http2.ServerConnection()
         self.streams: dict[int, Stream] = {}
@@ -226,6 +243,13 @@ class GrpcConnection(asyncio.Protocol):
         headers = dict(ev.headers)
         st = Stream(self, ev.stream_id)
         self.streams[ev.stream_id] = st
+        budget = self.budget
+        if budget is not None:
+            budget.open += 1
+            if budget.open > budget.limit:  # answered at once; no call is made for it
+                st.finish(RESOURCE_EXHAUSTED,
+                          f"serving.max_streams ({budget.limit}) streams are open")
+                return
         factory = self.routes.get(headers.get(b":path", b""))
         if factory is None:
             st.finish(UNIMPLEMENTED, "unknown method")
@@ -324,7 +348,8 @@ class GrpcConnection(asyncio.Protocol):
             st.buffered = 0
 
     def drop(self, st: Stream) -> None:
-        self.streams.pop(st.id, None)
+        if self.streams.pop(st.id, None) is not None and self.budget is not None:
+            self.budget.open -= 1
         self.blocked.discard(st.id)
         self._release(st)
 
