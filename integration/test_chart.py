@@ -44,6 +44,9 @@ FEATURES = {
     "admin-scrapers": ["--set-json", 'admin.networkPolicy.from=[{"namespaceSelector": '
                        '{"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]'],
     "no-network-policy": ["--set", "admin.networkPolicy.enabled=false"],
+    "extproc-peers": ["--set", "mode=gateway", "--set-json",
+                      'admin.networkPolicy.extprocFrom=[{"podSelector": '
+                      '{"matchLabels": {"app": "gateway"}}}]'],
 }
 
 
@@ -239,6 +242,14 @@ def test_network_policy_keeps_the_admin_port_closed_by_default():
     (policy,) = by_kind(render(FEATURES["admin-secret"]), "NetworkPolicy")
     assert [p["port"] for r in policy["spec"]["ingress"] for p in r["ports"]] == [9002]
     assert not by_kind(render(FEATURES["no-network-policy"]), "NetworkPolicy")
+    # Gateway mode: the ext_proc port from the gateway's pods alone, when named.
+    (policy,) = by_kind(render(FEATURES["extproc-peers"]), "NetworkPolicy")
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 9002, "protocol": "TCP"}]
+    assert rule["from"] == [{"podSelector": {"matchLabels": {"app": "gateway"}}}]
+    (policy,) = by_kind(render(["--set", "service.exposeExtproc=true"]), "NetworkPolicy")
+    assert [(r["ports"], "from" in r) for r in policy["spec"]["ingress"]] == [
+        ([{"port": 8080, "protocol": "TCP"}], False), ([{"port": 9002, "protocol": "TCP"}], False)]
 
 
 def test_ha_grants_lease_rbac_and_turns_leader_election_on():
