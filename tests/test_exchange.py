@@ -386,10 +386,9 @@ def stall_router(clock) -> Router:
                         clock=clock))
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_a_stalled_engine_fails_the_request_and_frees_its_slot(stream):
-    """The exchange says when it wants to be woken (``wake_at``); woken early, it asks
-    again for later; woken after the stall, it fails the request."""
+def responding(stream: bool) -> tuple[list[float], Router, Exchange, list[bytes]]:
+    """A request on ``stall_router`` (1 s stall timeout) whose engine has sent its role
+    event and first token; its clock, router, exchange and the engine's events."""
     now = [100.0]
     router = stall_router(lambda: now[0])
     ex = Exchange(router)
@@ -397,6 +396,23 @@ def test_a_stalled_engine_fails_the_request_and_frees_its_slot(stream):
     ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
     first = engine_stream(up).split(b"\n\n")
     ex.response_body(first[0] + b"\n\n" + first[1] + b"\n\n", False)
+    return now, router, ex, first
+
+
+def assert_stalled(actions: list, stream: bool) -> None:
+    if stream:
+        (body,) = actions
+        assert body.end_of_stream and b"engine_stalled" in body.data
+    else:
+        (imm,) = actions
+        assert imm.error.status == 504 and imm.error.code == "engine_stalled"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stalled_engine_fails_the_request_and_frees_its_slot(stream):
+    """The exchange says when it wants to be woken (``wake_at``); woken early, it asks
+    again for later; woken after the stall, it fails the request."""
+    now, router, ex, first = responding(stream)
     assert router.engines[0].decode == 1
     armed = ex.wake_at
     assert armed is not None
@@ -407,13 +423,7 @@ def test_a_stalled_engine_fails_the_request_and_frees_its_slot(stream):
     assert ex.expire() == []  # 0.6 s of silence only: asks again for later
     assert ex.wake_at == pytest.approx(100.6 + 1.0)
     now[0] = ex.wake_at
-    actions = ex.expire()
-    if stream:
-        (body,) = actions
-        assert body.end_of_stream and b"engine_stalled" in body.data
-    else:
-        (imm,) = actions
-        assert imm.error.status == 504 and imm.error.code == "engine_stalled"
+    assert_stalled(ex.expire(), stream)
     assert ex.wake_at is None
     assert router.accounting.terminal["failed"] == 1
     assert router.engines[0].in_flight == 0 and router.accounting.in_flight == 0
@@ -426,13 +436,7 @@ def test_bytes_without_output_are_no_progress(stream):
     stall timeout of the last: none restarts the stall clock, and the request fails when
     the timeout has passed since its last token (before: each restarted it, and such an
     engine held the request and its slot for as long as max_response_bytes lasted)."""
-    now = [100.0]
-    router = stall_router(lambda: now[0])
-    ex = Exchange(router)
-    up = admit(ex, orjson.dumps(orjson.loads(BODY) | {"stream": stream}))
-    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
-    first = engine_stream(up).split(b"\n\n")
-    ex.response_body(first[0] + b"\n\n" + first[1] + b"\n\n", False)
+    now, router, ex, first = responding(stream)
     last_token = now[0]
     assert router.engines[0].decode == 1
     empty = orjson.loads(first[1][6:])
@@ -448,13 +452,7 @@ def test_bytes_without_output_are_no_progress(stream):
     assert router.engines[0].decode == 1  # still held: nothing ended it yet
     now[0] = ex.wake_at
     assert now[0] == pytest.approx(last_token + 1.0)
-    actions = ex.expire()
-    if stream:
-        (body,) = actions
-        assert body.end_of_stream and b"engine_stalled" in body.data
-    else:
-        (imm,) = actions
-        assert imm.error.status == 504 and imm.error.code == "engine_stalled"
+    assert_stalled(ex.expire(), stream)
     assert router.accounting.terminal["failed"] == 1
     assert router.engines[0].in_flight == 0 and router.accounting.in_flight == 0
 
