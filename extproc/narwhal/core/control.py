@@ -89,7 +89,7 @@ class Control:
                         router.sizer.learn(ex.request.prompt_bytes, out.prompt_tokens)
         if ex.ticket is not None:
             router.scheduler.release(ex.ticket, identified, out.last_token_at, out.reply)
-            router.pump()
+            router.pump(if_slot_free=True)  # its freed decode slot is rarely the one missing
 
     def count(self, ex: Exchange, terminal: str) -> None:
         """The request's one terminal class (possibly some time after its release)."""

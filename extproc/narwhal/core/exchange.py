@@ -295,7 +295,7 @@ class Exchange:
             self._arm(min(self.deadline, now + self.router.config.admission.max_wait_ms / 1000))
             # An engine no earlier queued request could use may take it now (the scheduler's
             # pump); the driver then sends it (``dispatched_from_queue``).
-            self.router.pump(joined=True)
+            self.router.pump(if_slot_free=True)
             return []
         assert isinstance(decision, Dispatch)
         return self._upstream()

@@ -114,11 +114,11 @@ class Router:
         window = max(3 * cfg.health_interval_ms, cfg.stale_after_ms) / 1000
         return self.clock() - self.heartbeat <= window
 
-    def pump(self, joined: bool = False) -> None:
+    def pump(self, if_slot_free: bool = False) -> None:
         """Place what the queue holds where slots are free; the placed (and the given
         up, ``Ticket.refusal``) wait in ``dispatched`` until an adapter takes them.
-        ``joined``: a request has just joined the queue (``Scheduler.pump``)."""
-        placed = self.scheduler.pump(self.clock(), joined)
+        ``if_slot_free``: only a slot may have come free (``Scheduler.pump``)."""
+        placed = self.scheduler.pump(self.clock(), if_slot_free)
         if placed:
             self.dispatched.extend(placed)
 
