@@ -1,6 +1,7 @@
 """Per-message cost of Narwhal's ext_proc server path, in process, without sockets.
 
-    python -m bench.messages [--events N | --requests N [--engines P,Q | --prompt-bytes B,C]]
+    python -m bench.messages [--events N | --requests N [--engines P,Q | --prompt-bytes B,C
+                                                        | --clients C [--wide-slots]]]
                              [--reps R] [--opcodes | --by-message]
 
 An ``h2`` client opens one ext_proc stream on a ``GrpcConnection`` (Narwhal's HTTP/2 and
@@ -48,6 +49,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from narwhal.config import parse
+from narwhal.core.exchange import Phase
 from narwhal.core.router import Router
 from narwhal.server.driver import Runtime
 from narwhal.server.extproc import PROCESS_PATH, ExtProcCall
@@ -129,6 +131,8 @@ class Opcodes:
                 print(f"    {name:48s} {n / units:8.0f}  {n / total * 100:5.1f}%")
 
 
+WAITING = (Phase.REQUEST_BODY, Phase.QUEUED)  # a --clients request not yet upstream
+
 # Set by --opcodes: the measured loops run under it instead of being timed.
 COUNT: Opcodes | None = None
 
@@ -144,11 +148,16 @@ def _feed(conn: GrpcConnection, reads: list[bytes], measured: bool = True) -> fl
     return time.perf_counter() - start if timed else 0.0
 
 
-async def setup(engines: int = 1
+# Phase slots wide enough for every client of --clients (as bench.datapath's "wide").
+WIDE = {"max_prefill_per_engine": 128, "max_decode_per_engine": 256}
+
+
+async def setup(engines: int = 1, scheduler: dict | None = None
                 ) -> tuple[GrpcConnection, Transport, h2.connection.H2Connection, Router]:
     router = Router(parse({
         "engines": [{"name": f"e{i}", "url": f"http://127.0.{i // 250}.{i % 250 + 1}:9"}
                     for i in range(engines)],
+        "scheduler": scheduler or {},
         # A run that outlasts the staleness window (under a profiler) would be refused
         # "monitoring-degraded" and measure refusals: nothing scrapes here.
         "telemetry": {"profiling": False, "stale_after_ms": 86_400_000}}))
@@ -285,6 +294,50 @@ async def run_requests(requests: int, warm: int = 0, engines: int = 1,
     return total / requests
 
 
+async def run_clients(requests: int, clients: int, wide: bool = False) -> float:
+    """``clients`` non-streaming requests open at once, in a closed loop against one
+    engine: past the default 4 prefill slots the rest queue, so this measures the queue
+    path too (joins, pumps at first tokens and releases, dispatches from the queue, their
+    re-projections), unless ``wide`` gives every client a slot. Each client feeds its
+    next message once its request is out of the queue; as many unmeasured requests as
+    measured come first. Seconds per request."""
+    conn, transport, client, router = await setup(1, WIDE if wide else None)
+    body = request_body()
+    total, done = 0.0, 0
+    open_: list[tuple[int, list[bytes]]] = []
+
+    def start() -> tuple[int, list[bytes]]:
+        reads = request_reads(client, 8, body)
+        sid = client.highest_outbound_stream_id
+        feed(reads[:2])  # its headers and body: admitted, queued or placed
+        return sid, reads[2:]
+
+    def feed(reads: list[bytes]) -> None:
+        nonlocal total
+        total += _feed(conn, reads, done >= requests)
+
+    for _ in range(clients):
+        open_.append(start())
+    exchange_bytes(conn, transport, client)
+    while done < 2 * requests:
+        moved = False
+        for k, (sid, rest) in enumerate(open_):
+            st = conn.streams.get(sid)
+            call = st.call if st is not None else None
+            if isinstance(call, ExtProcCall) and call.driver.ex.phase in WAITING:
+                continue  # in the queue: the engine has nothing of it yet
+            feed([rest.pop(0)])
+            moved = True
+            if not rest:
+                done += 1
+                open_[k] = start()
+            exchange_bytes(conn, transport, client)
+        await asyncio.sleep(0)  # what the loop runs between reads (write_soon's flushes)
+        if not moved:
+            raise SystemExit("every client waits in the queue: nothing frees a slot")
+    return total / requests
+
+
 MESSAGES = ("request headers", "request body", "response headers",
             *(f"response chunk {i + 1}" for i in range(8)), "end of response")
 
@@ -343,12 +396,19 @@ def main() -> int:
     parser.add_argument("--opcodes", action="store_true",
                         help="count bytecode instructions per unit (after as many unmeasured "
                              "requests as measured) instead of timing")
+    parser.add_argument("--clients", type=int, default=0,
+                        help="with --requests: this many requests open at once in a closed "
+                             "loop against one engine (past its 4 prefill slots they queue)")
+    parser.add_argument("--wide-slots", action="store_true",
+                        help="with --clients: slots for every client (no queue)")
     parser.add_argument("--by-message", action="store_true",
                         help="with --requests: each message's median time instead of the "
                              "request's")
     args = parser.parse_args()
-    if args.by_message and not args.requests:
-        parser.error("--by-message measures --requests")
+    if (args.by_message or args.clients) and not args.requests:
+        parser.error("--by-message and --clients measure --requests")
+    if args.clients and (args.by_message or args.engines != "1" or args.prompt_bytes != "0"):
+        parser.error("--clients runs one engine and 'hello there' on its own")
     if args.requests:
         n, flag = args.requests, "--requests"
         unit = "non-streaming request of 16 tokens in 8 chunks, 12 messages"
@@ -358,14 +418,30 @@ def main() -> int:
     prompts = [int(x) for x in args.prompt_bytes.split(",")]
     if len(pools) > 1 and len(prompts) > 1:
         parser.error("vary --engines or --prompt-bytes, not both")
+    slots = "wide slots" if args.wide_slots else "default slots"
+    again = (f"python -m bench.messages --requests {n} --clients {args.clients}"
+             f"{' --wide-slots' if args.wide_slots else ''}")
     if args.opcodes:
         COUNT = Opcodes()
+        if args.clients:
+            asyncio.run(run_clients(n, args.clients, args.wide_slots))
+            COUNT.report(n, f"request ({args.clients} clients, {slots})")
+            print(f"reproduce: {again} --opcodes")
+            return 0
         if args.requests:
             asyncio.run(run_requests(n, warm=n, engines=pools[0], prompt_bytes=prompts[0]))
         else:
             asyncio.run(run(n))
         COUNT.report(n, unit)
         print(f"reproduce: python -m bench.messages {flag} {n} --opcodes")
+        return 0
+    if args.clients:
+        runs = [asyncio.run(run_clients(n, args.clients, args.wide_slots))
+                for _ in range(args.reps)]
+        print(f"ext_proc server path, in process, {args.clients} clients in a closed loop, one "
+              f"engine, {slots}: {statistics.median(runs) * 1e6:.2f} us per {unit} (median "
+              f"of {args.reps} x {n}; min {min(runs) * 1e6:.2f})")
+        print(f"reproduce: {again} --reps {args.reps}")
         return 0
     if args.by_message:
         medians = asyncio.run(by_message(n, pools[0], prompts[0]))
