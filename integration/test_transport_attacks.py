@@ -268,18 +268,29 @@ def test_echoed_bodies_not_read_back_are_bounded(router):
 
 
 
-def test_idle_streams_are_bounded_across_connections(router):
-    """1,100 streams opened and never written to: past serving.max_streams (1,000 here)
-    each new one is answered RESOURCE_EXHAUSTED at once, in order, so the router holds at
-    most that many calls' state whatever a peer opens (before: 16,384 a connection, ~2 KB
-    each, on each of max_connections); the bound is the process's, so another
-    connection's stream is refused too; once the peer goes, the port serves again."""
+
+WATCH = "/grpc.health.v1.Health/Watch"
+EMPTY_MESSAGE = b"\x00\x00\x00\x00\x00"  # a gRPC frame of an empty protobuf
+
+
+def test_open_streams_are_bounded_across_connections(router):
+    """1,100 health Watch streams (each open for as long as its peer keeps it): past
+    serving.max_streams (1,000 here) each new one is answered RESOURCE_EXHAUSTED at once,
+    in order, so the router holds at most that many calls' state whatever a peer opens
+    (before: 16,384 a connection, ~2 KB each, on each of max_connections); the bound is
+    the process's, so another connection's stream is refused too; once the peer goes, the
+    port serves again."""
     def settings(evs: list) -> bool:
         return any(isinstance(e, h2.events.RemoteSettingsChanged) for e in evs)
 
     with attack(router) as peer:
         peer.events(settings)  # the router's stream limit, before opening past h2's 100
-        sids = [peer.headers(PROCESS) for _ in range(1100)]
+        sids = []
+        for _ in range(1100):
+            sid = peer.headers(WATCH)
+            peer.h2.send_data(sid, EMPTY_MESSAGE, end_stream=True)
+            sids.append(sid)
+        peer.flush()
         events = peer.events(lambda evs: sum(grpc_status(evs, s) is not None
                                              for s in sids) >= 95, timeout=20)
         refused = [s for s in sids if grpc_status(events, s) is not None]
@@ -291,7 +302,7 @@ def test_idle_streams_are_bounded_across_connections(router):
         try:
             other.events(settings)
             sid = other.headers(CHECK)
-            other.h2.send_data(sid, b"\x00\x00\x00\x00\x00", end_stream=True)
+            other.h2.send_data(sid, EMPTY_MESSAGE, end_stream=True)
             other.flush()
             assert grpc_status(other.events(lambda evs: grpc_status(evs, sid) is not None),
                                sid) == 8
@@ -307,3 +318,19 @@ def test_idle_streams_are_bounded_across_connections(router):
             return True
 
         wait_for(recovered)
+
+
+def test_a_stream_without_a_message_is_ended(router):
+    """A stream opened and never written to ends DEADLINE_EXCEEDED within two ticks of
+    serving.preface_timeout_ms (0.5 s here), its place given back; one whose first message
+    came stays open (before: both held their places for as long as the connection)."""
+    with attack(router) as peer:
+        silent = peer.headers(PROCESS)
+        watch = peer.headers(WATCH)
+        peer.h2.send_data(watch, EMPTY_MESSAGE, end_stream=True)
+        peer.flush()
+        events = peer.events(lambda evs: grpc_status(evs, silent) is not None)
+        assert grpc_status(events, silent) == 4  # DEADLINE_EXCEEDED
+        assert grpc_status(events, watch) is None  # still watching
+        assert not any(isinstance(e, h2.events.StreamEnded) and e.stream_id == watch
+                       for e in events)

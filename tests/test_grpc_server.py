@@ -39,6 +39,9 @@ class Transport(properties.Transport):
     def abort(self) -> None:
         self.aborted = True
 
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
 
 class Call(properties.Recorder):
     def __init__(self, stream) -> None:
@@ -151,5 +154,45 @@ def test_open_streams_are_bounded_across_connections():
         # And every stream of a connection that goes.
         a[0].connection_lost(None)
         assert budget.open == 0
+
+    asyncio.run(run())
+
+
+def test_a_stream_silent_for_two_ticks_ends_deadline_exceeded():
+    """A stream that has had neither a message nor its half-close by the connection's
+    second tick (each ``preface_timeout``) ends DEADLINE_EXCEEDED, its call cancelled; a
+    stream whose first message came is left alone however long it then waits."""
+    from narwhal.server.grpc_server import DEADLINE_EXCEEDED
+
+    async def run() -> None:
+        calls: list[Call] = []
+        conn = GrpcConnection({b"/svc/M": lambda stream: calls.append(Call(stream)) or calls[-1]},
+                              preface_timeout=3600)
+        t = Transport()
+        conn.connection_made(t)  # type: ignore[arg-type]
+        peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        peer.initiate_connection()
+        for _ in range(2):
+            peer.send_headers(peer.get_next_available_stream_id(),
+                              [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                               (":path", "/svc/M"), ("content-type", "application/grpc")])
+        conn.data_received(peer.data_to_send())
+        silent, talking = calls
+        peer.send_data(3, b"\x00\x00\x00\x00\x02hi")
+        conn.data_received(peer.data_to_send())
+        assert talking.messages == [b"hi"]
+        conn._tick()
+        assert not silent.cancelled and 1 in conn.streams  # one tick: it may be just opened
+        conn._tick()
+        assert silent.cancelled and 1 not in conn.streams
+        ended = [e for e in peer.receive_data(t.written)
+                 if isinstance(e, h2.events.ResponseReceived | h2.events.TrailersReceived)]
+        assert [(e.stream_id, dict(e.headers)[b"grpc-status"]) for e in ended] == [
+            (1, str(DEADLINE_EXCEEDED).encode())]
+        for _ in range(3):
+            conn._tick()
+        assert not talking.cancelled and 3 in conn.streams
+        conn.connection_lost(None)
+        assert conn.tick_timer is None or conn.tick_timer.cancelled()
 
     asyncio.run(run())

@@ -11,8 +11,8 @@ holds the router state: no thread handoffs, one socket write per read.
 Scope is what Envoy's gRPC client uses: unary and streaming calls over h2c with prior
 knowledge, identity encoding, status in trailers. Message size is bounded
 (RESOURCE_EXHAUSTED past it), so is what a peer can make a connection hold (see
-``Stream``) and the streams open across connections (``StreamBudget``), and a
-connection must send the HTTP/2 preface in time.
+``Stream``) and the streams open across connections (``StreamBudget``); a stream must
+bring its first message, and a connection its HTTP/2 preface, in time (``_tick``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ log = logging.getLogger("narwhal.grpc")
 # gRPC status codes used here.
 OK = 0
 INVALID_ARGUMENT = 3
+DEADLINE_EXCEEDED = 4
 NOT_FOUND = 5
 RESOURCE_EXHAUSTED = 8
 UNIMPLEMENTED = 12
@@ -68,7 +69,7 @@ class Stream:
     """
 
     __slots__ = ("conn", "id", "parts", "buffered", "call", "headers_sent", "closed",
-                 "pending", "pending_size", "trailers", "half_closed")
+                 "pending", "pending_size", "trailers", "half_closed", "idle_ticks")
 
     def __init__(self, conn: GrpcConnection, stream_id: int) -> None:
         self.conn = conn
@@ -82,6 +83,9 @@ class Stream:
         self.pending_size = 0
         self.trailers: list[tuple[bytes, bytes]] = []
         self.half_closed = False
+        # Ticks of the connection's timer (``GrpcConnection._tick``) passed before the
+        # call's first message or half-close; -1 once one came.
+        self.idle_ticks = 0
 
     def send(self, message: bytes) -> None:
         if self.closed:
@@ -148,7 +152,7 @@ class GrpcConnection(asyncio.Protocol):
         self.streams: dict[int, Stream] = {}
         self.blocked: set[int] = set()
         self.flush_scheduled = False
-        self.preface_timer: asyncio.TimerHandle | None = None
+        self.tick_timer: asyncio.TimerHandle | None = None
         self.write_paused = False  # our send buffer to this peer is full
         self.held = False  # what this peer's input feeds is full (a worker's link)
         self.linger: asyncio.TimerHandle | None = None  # closing after an error's GOAWAY
@@ -160,15 +164,31 @@ class GrpcConnection(asyncio.Protocol):
             transport.abort()  # type: ignore[attr-defined]
             return
         self.transport.set_write_buffer_limits(high=WRITE_HIGH)
-        self.preface_timer = asyncio.get_running_loop().call_later(
-            self.preface_timeout, self._preface_expired)
+        self.tick_timer = asyncio.get_running_loop().call_later(
+            self.preface_timeout, self._tick)
         self.http2.initiate()
         self._write()
 
-    def _preface_expired(self) -> None:
-        self.preface_timer = None
-        if not self.http2.preface and self.transport is not None:
+    def _tick(self) -> None:
+        """Every ``preface_timeout``: a connection that has not spoken HTTP/2 by the first
+        tick is aborted (it holds nothing); after it, a stream that has had neither a
+        message nor its half-close for two ticks ends ``DEADLINE_EXCEEDED``. Envoy writes
+        a call's first message as it opens it (an ext_proc request's headers, a health
+        check, an access log's entries): an open, silent stream only holds a place
+        within ``serving.max_streams``. One timer a connection, no clock read a stream."""
+        self.tick_timer = None
+        if self.transport is None or self.transport.is_closing() or self.linger is not None:
+            return
+        if not self.http2.preface:
             self.transport.abort()  # a peer that never speaks HTTP/2 holds nothing
+            return
+        for st in [st for st in self.streams.values() if st.idle_ticks >= 0]:
+            st.idle_ticks += 1
+            if st.idle_ticks >= 2 and st.call is not None:
+                self._fail(st, DEADLINE_EXCEEDED, "no message on the stream in time")
+        self._write()
+        self.tick_timer = asyncio.get_running_loop().call_later(
+            self.preface_timeout, self._tick)
 
     def pause_writing(self) -> None:
         """The socket's send buffer is over its high-water mark: read nothing more from
@@ -232,8 +252,8 @@ class GrpcConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.linger is not None:
             self.linger.cancel()
-        if self.preface_timer is not None:
-            self.preface_timer.cancel()
+        if self.tick_timer is not None:
+            self.tick_timer.cancel()
         self._cancel_all()
         if self.on_lost is not None:
             self.on_lost(self)
@@ -271,6 +291,7 @@ class GrpcConnection(asyncio.Protocol):
             n = int.from_bytes(data[1:5], "big")
             if len(data) == 5 + n and n <= self.max_message:
                 self.http2.consumed(5 + n)
+                st.idle_ticks = -1
                 if not self._call(st, st.call.on_message, data[5:]) or not ev.end_stream:
                     return
                 data = b""
@@ -309,6 +330,7 @@ class GrpcConnection(asyncio.Protocol):
                 buf = st.parts[0] if len(st.parts) == 1 else b"".join(st.parts)
                 st.parts = []
             msg = buf[pos + 5:pos + 5 + n]
+            st.idle_ticks = -1
             pos += 5 + n
             st.buffered -= 5 + n
             self.http2.consumed(5 + n)
@@ -321,6 +343,7 @@ class GrpcConnection(asyncio.Protocol):
         if st.call is not None and st.half_closed and not st.buffered \
                 and st.pending_size <= OUT_HIGH:
             st.half_closed = False
+            st.idle_ticks = -1
             self._call(st, st.call.on_half_close)
 
     def _call(self, st: Stream, method: Callable[..., None], *args: bytes) -> bool:
