@@ -46,9 +46,6 @@ from bench import messages, scratch, vllm_router_exe
 from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, plain_envoy, wait_http
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-# Phase slots wide enough that every client's request is in flight at once, as it is
-# through Envoy alone.
-WIDE = {"max_prefill_per_engine": 128, "max_decode_per_engine": 256}
 MODEL = "narwhal-sim"
 PACED_TOKENS = 64
 PACED_CLIENTS = 64
@@ -139,7 +136,7 @@ def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
             serving["workers"] = 2
         stack = Stack(sims=[sim], model=MODEL,
                       config={"serving": serving,
-                              "scheduler": WIDE if cfg == "wide" else {}}).start()
+                              "scheduler": messages.WIDE if cfg == "wide" else {}}).start()
         stacks[cfg] = stack
     # Envoy alone and the peer proxy to the first stack's simulator.
     sim_port = next(iter(stacks.values())).sims[0].port

@@ -148,7 +148,8 @@ def _feed(conn: GrpcConnection, reads: list[bytes], measured: bool = True) -> fl
     return time.perf_counter() - start if timed else 0.0
 
 
-# Phase slots wide enough for every client of --clients (as bench.datapath's "wide").
+# Phase slots wide enough that every client's request is in flight at once, as it is
+# through Envoy alone (--wide-slots here, the "wide" configuration of bench.datapath).
 WIDE = {"max_prefill_per_engine": 128, "max_decode_per_engine": 256}
 
 

@@ -681,9 +681,10 @@ class Exchange:
         self.wake_at = when
 
     def expire(self) -> list[Action]:
-        """``wake_at`` came: 504 if the admission wait or the deadline has run out before
-        response headers, or the engine stalled while responding. Sets ``wake_at`` again
-        when it still has a time to watch."""
+        """``wake_at`` came: 408 if the body is still arriving past its timeout, 504 if
+        the admission wait or the deadline has run out before response headers, or the
+        engine stalled while responding. Sets ``wake_at`` again when it still has a time
+        to watch."""
         self.wake_at = None
         if self.terminal is not None or not self.completion or self.phase is Phase.DONE \
                 or self.phase is Phase.REQUEST_HEADERS:
@@ -693,21 +694,21 @@ class Exchange:
             return self._stall_check(now)
         if self.client_headers_sent:
             return []
-        if self.phase is Phase.REQUEST_BODY:
-            body_end = self._body_end()
-            if now >= body_end - TIMER_SLACK and body_end < self.deadline:
-                return self._refuse(errors.request_body_timeout(
-                    self.router.config.serving.request_body_timeout_ms))
+        # The phase's own wait, watched beside the deadline: the body's arrival, or the
+        # admission queue's; past its end, and before the deadline's, it ends the request.
         t = self.ticket
         wait_end = None
-        if self.phase is Phase.QUEUED and t is not None and t.queued_at is not None:
-            wait_end = t.queued_at + self.router.config.admission.max_wait_ms / 1000
-        if wait_end is not None and wait_end < self.deadline and now >= wait_end - TIMER_SLACK:
-            return self._refuse(errors.terminal_expiry("the admission wait expired"))
-        if now >= self.deadline - TIMER_SLACK:
-            return self._refuse(errors.terminal_expiry("the request deadline expired"))
         if self.phase is Phase.REQUEST_BODY:
             wait_end = self._body_end()
+        elif self.phase is Phase.QUEUED and t is not None and t.queued_at is not None:
+            wait_end = t.queued_at + self.router.config.admission.max_wait_ms / 1000
+        if wait_end is not None and wait_end < self.deadline and now >= wait_end - TIMER_SLACK:
+            return self._refuse(
+                errors.request_body_timeout(self.router.config.serving.request_body_timeout_ms)
+                if self.phase is Phase.REQUEST_BODY
+                else errors.terminal_expiry("the admission wait expired"))
+        if now >= self.deadline - TIMER_SLACK:
+            return self._refuse(errors.terminal_expiry("the request deadline expired"))
         self._arm(self.deadline if wait_end is None else min(wait_end, self.deadline))
         return []
 
