@@ -248,6 +248,48 @@ def test_what_an_engine_sends_is_held_at_about_its_bytes():
         assert held < 1.5 * sent, (kind, held / sent)
 
 
+@pytest.mark.parametrize("piece", ["a", " the", "\u00e9", "\U0001f600"])
+@pytest.mark.parametrize("kind", ["content", "reasoning_content", "arguments", "text"])
+def test_text_in_pieces_is_held_and_counted_at_about_its_bytes(kind, piece):
+    """Text arrives a token at a time. Held as a string per piece, 90,000 one-character
+    deltas (88 KiB of text) held 5.6 MiB, counted against serving.max_held_bytes as 88 KiB:
+    the budget saw 1.5% of it. Joined into blocks as it comes, a response holds at most
+    twice its text, and ``held`` counts what it holds."""
+    import tracemalloc
+
+    def make(i: int) -> dict:
+        if kind == "text":
+            return ev({"index": 0, "text": piece})
+        if kind == "arguments":
+            call: dict = {"index": 0, "function": {"arguments": piece}}
+            if i == 0:
+                call |= {"id": "call_0", "type": "function",
+                         "function": {"name": "f", "arguments": piece}}
+            return ev(ch({"tool_calls": [call]}))
+        return ev(ch({kind: piece}))
+
+    n = 20_000
+    raw = [orjson.dumps(make(i)) for i in range(n)]
+    a = Assembler(kind != "text", False)
+    tracemalloc.start()
+    for r in raw:
+        a.feed(orjson.loads(r))
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    top = ord(max(piece))
+    width = 4 if top > 0xFFFF else 2 if top > 0xFF else 1  # CPython's bytes a character
+    chars = n * len(piece)
+    assert held < 2 * chars * width + 16_384, held / chars
+    assert 0.8 * held < a.held < 1.25 * held, (a.held, held)
+    a.feed(ev(ch({}, finish_reason="stop")) if kind != "text"
+           else ev({"index": 0, "finish_reason": "stop"}))
+    out = orjson.loads(a.body(USAGE))["choices"][0]
+    got = {"text": lambda: out["text"],
+           "arguments": lambda: out["message"]["tool_calls"][0]["function"]["arguments"]
+           }.get(kind, lambda: out["message"][kind])()
+    assert got == piece * n
+
+
 @pytest.mark.parametrize("where", ["metadata", "logprobs", "stop_reason", "usage"])
 def test_output_nested_past_what_json_writes_is_malformed(where):
     """orjson reads 1,024 levels and writes 254: such output was an exception at the
@@ -264,3 +306,23 @@ def test_output_nested_past_what_json_writes_is_malformed(where):
         a.feed(event)
         a.feed(ev(ch({}, finish_reason="stop")))
         a.body({"prompt_tokens": deep} if where == "usage" else USAGE)
+
+
+def test_the_reply_is_the_first_choices_text_and_is_bounded():
+    """What the prefix index learns of an assembled response: its content (a completion's
+    text), as a stream's ``ReplyText`` collects it, at most REPLY_MAX_BYTES."""
+    from narwhal.core.prefix import REPLY_MAX_BYTES
+
+    chat = Assembler(True, False)
+    for e in (ev(ch({"role": "assistant", "content": ""})), ev(ch({"content": "Hello"})),
+              ev(ch({"reasoning_content": "hmm"})), ev(ch({"content": " world"}))):
+        chat.feed(e)
+    assert chat.reply() == "Hello world"
+    assert Assembler(True, False).reply() == ""
+    text = Assembler(False, False)
+    text.feed(ev({"index": 0, "text": "a"}))
+    assert text.reply() == "a"
+    big = Assembler(True, False)
+    for _ in range(3 * REPLY_MAX_BYTES // 1000):
+        big.feed(ev(ch({"content": "x" * 1000})))
+    assert big.reply() == "x" * REPLY_MAX_BYTES

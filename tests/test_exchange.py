@@ -713,3 +713,36 @@ def test_an_event_still_being_received_counts_in_the_process_budget():
     assert isinstance(body, Body) and body.end_of_stream and b"held_bytes_full" in body.data
     assert router.accounting.terminal["failed"] == 1
     assert router.held_bytes == waiting.held_bytes
+
+
+def test_a_streamed_replys_text_counts_in_the_process_budget():
+    """A stream keeps its reply's text for the prefix index (up to 64 Ki characters) until
+    it ends: those bytes count against serving.max_held_bytes with the rest, are given back
+    at its end, and past the budget end the stream (an error event), alone."""
+    stream = orjson.dumps({"model": "narwhal-sim", "stream": True, "max_tokens": 4000,
+                           "messages": [{"role": "user", "content": "hi"}]})
+
+    def token(i: int) -> bytes:
+        return b"data: " + orjson.dumps({"id": "c", "choices": [
+            {"index": 0, "delta": {"content": "abcdefgh"}, "token_ids": [i]}]}) + b"\n\n"
+
+    router = held_router(max_held_bytes=20_000)
+    ex = Exchange(router)
+    admit(ex, stream)
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
+    for i in range(100):
+        (relayed,) = ex.response_body(token(i), False)
+        assert b'"abcdefgh"' in relayed.data
+    assert router.held_bytes == ex.held_bytes >= ex.reply.held > 800
+    ex.response_body(b"data: [DONE]\n\n", True)
+    assert router.held_bytes == 0 and router.accounting.terminal["completed"] == 1
+    greedy = Exchange(router)
+    admit(greedy, stream)
+    greedy.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
+    out = []
+    for i in range(4000):
+        out = greedy.response_body(token(i), False)
+        if out[-1].end_of_stream:
+            break
+    assert b"held_bytes_full" in out[-1].data and router.accounting.terminal["failed"] == 1
+    assert 1500 < i < 2500 and router.held_bytes == 0  # ~15 KB of text in ~20 KB

@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 import orjson
 
 from . import jsontext
-from .jsontext import JsonArray
+from .jsontext import JsonArray, TextPieces
 from .meter import EngineOutputError
+from .prefix import REPLY_MAX_BYTES
 
 _T = TypeVar("_T")
 
@@ -76,30 +77,26 @@ def _hold(hold: Callable[[Any], _T], value: Any) -> _T:
         raise _bad("nested deeper than 254 levels") from None
 
 
-def _join_repeat_aware(parts: list[str], frag: str, size: int) -> int:
+def _join_repeat_aware(parts: TextPieces, frag: str) -> int:
     """Concatenate, except that a fragment repeating the whole value so far is a repeat
-    (some engines resend a call's id and name). ``size`` is the value's length so far,
-    so that the value is joined only when a fragment is as long as it: linear overall.
-    Returns the new length."""
-    if parts and len(frag) == size and frag == "".join(parts):
-        return size
-    parts.append(frag)
-    return size + len(frag)
+    (some engines resend a call's id and name). The value is joined only when a fragment
+    is as long as it: linear overall. Returns the change in bytes held."""
+    if parts and len(frag) == parts.size and frag == parts.text():
+        return 0
+    return parts.add(frag)
 
 
 @dataclass(slots=True)
 class _ToolCall:
-    id: list[str] = field(default_factory=list)
-    name: list[str] = field(default_factory=list)
-    arguments: list[str] = field(default_factory=list)
-    id_size: int = 0
-    name_size: int = 0
+    id: TextPieces = field(default_factory=TextPieces)
+    name: TextPieces = field(default_factory=TextPieces)
+    arguments: TextPieces = field(default_factory=TextPieces)
 
 
 @dataclass(slots=True)
 class _Choice:
-    strings: dict[str, list[str]] = field(default_factory=dict)
-    text: list[str] = field(default_factory=list)
+    strings: dict[str, TextPieces] = field(default_factory=dict)
+    text: TextPieces = field(default_factory=TextPieces)
     tools: dict[int, _ToolCall] = field(default_factory=dict)
     function: _ToolCall | None = None
     lp_content: JsonArray | None = None
@@ -191,8 +188,10 @@ class Assembler:
             if key in STRING_DELTAS:
                 if not isinstance(value, str):
                     raise _bad(f"delta.{key} is not a string")
-                state.strings.setdefault(key, []).append(value)
-                self.held += len(value)
+                pieces = state.strings.get(key)
+                if pieces is None:
+                    pieces = state.strings[key] = TextPieces()
+                self.held += pieces.add(value)
             elif key == "tool_calls":
                 self._tool_calls(state, value)
             elif key == "function_call":
@@ -243,9 +242,7 @@ class Assembler:
             if cid is not None:
                 if not isinstance(cid, str):
                     raise _bad("tool call id is not a string")
-                size = _join_repeat_aware(tc.id, cid, tc.id_size)
-                self.held += size - tc.id_size
-                tc.id_size = size
+                self.held += _join_repeat_aware(tc.id, cid)
             fn = call.get("function")
             if fn is not None:
                 self._fragments(tc, fn, "tool call function")
@@ -263,15 +260,12 @@ class Assembler:
         if name is not None:
             if not isinstance(name, str):
                 raise _bad(f"{what} name is not a string")
-            size = _join_repeat_aware(tc.name, name, tc.name_size)
-            self.held += size - tc.name_size
-            tc.name_size = size
+            self.held += _join_repeat_aware(tc.name, name)
         args = fn.get("arguments")
         if args is not None:
             if not isinstance(args, str):
                 raise _bad(f"{what} arguments is not a string")
-            tc.arguments.append(args)
-            self.held += len(args)
+            self.held += tc.arguments.add(args)
 
     def _text_choice(self, state: _Choice, choice: dict[str, Any]) -> None:
         _only_known(choice, TEXT_CHOICE_KEYS, "choice")
@@ -279,8 +273,7 @@ class Assembler:
         if text is not None:
             if not isinstance(text, str):
                 raise _bad("choice text is not a string")
-            state.text.append(text)
-            self.held += len(text)
+            self.held += state.text.add(text)
         lp = choice.get("logprobs")
         if lp is None:
             return
@@ -303,6 +296,15 @@ class Assembler:
         return kept
 
     # -- result ----------------------------------------------------------------
+    def reply(self) -> str:
+        """The first choice's text (a chat's content): what the prefix index learns of a
+        non-streaming response, as ``ReplyText`` collects it from a stream's events."""
+        state = self.choices.get(0)
+        if state is None:
+            return ""
+        pieces = state.strings.get("content") if self.chat else state.text
+        return pieces.text()[:REPLY_MAX_BYTES] if pieces else ""
+
     def body(self, usage: dict[str, Any]) -> bytes:
         """The assembled response as JSON; ``usage`` is the engine's, or one Narwhal computed."""
         return _hold(jsontext.text, self._result(usage))
@@ -339,27 +341,28 @@ class Assembler:
         s = state.strings
         # Engines open every stream with ``content: ""``; nothing generated is null, except
         # beside tool calls, where vLLM answers ``""``.
-        content = "".join(s.get("content", ())) or ("" if state.tools else None)
+        content = s["content"].text() if "content" in s else ""
+        content = content or ("" if state.tools else None)
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         for key in ("reasoning", "reasoning_content"):
             if key in s:
-                msg[key] = "".join(s[key])
-        msg["refusal"] = "".join(s["refusal"]) if "refusal" in s else None
+                msg[key] = s[key].text()
+        msg["refusal"] = s["refusal"].text() if "refusal" in s else None
         if state.tools:
             calls = []
             for i in sorted(state.tools):
                 tc = state.tools[i]
                 if not tc.id or not tc.name:
                     raise _bad(f"tool call {i} has no {'id' if not tc.id else 'function name'}")
-                calls.append({"id": "".join(tc.id), "type": "function",
-                              "function": {"name": "".join(tc.name),
-                                           "arguments": "".join(tc.arguments)}})
+                calls.append({"id": tc.id.text(), "type": "function",
+                              "function": {"name": tc.name.text(),
+                                           "arguments": tc.arguments.text()}})
             msg["tool_calls"] = calls
         if state.function is not None:
             if not state.function.name:
                 raise _bad("function_call has no name")
-            msg["function_call"] = {"name": "".join(state.function.name),
-                                    "arguments": "".join(state.function.arguments)}
+            msg["function_call"] = {"name": state.function.name.text(),
+                                    "arguments": state.function.arguments.text()}
         logprobs = None
         if state.lp_content is not None or state.lp_refusal is not None:
             # vLLM's shape: no refusal key unless used
@@ -371,7 +374,7 @@ class Assembler:
 
     def _text_result(self, index: int, state: _Choice) -> dict[str, Any]:
         lp = state.lp_text
-        out = self._tail({"index": index, "text": "".join(state.text),
+        out = self._tail({"index": index, "text": state.text.text(),
                           "logprobs": None if lp is None else
                           {k: v.fragment() for k, v in lp.items()}}, state)
         if self.expose_ids:

@@ -351,8 +351,8 @@ class Exchange:
             self.relay = Relay(req.return_token_ids or not token_ids, req.include_usage)
         else:
             self.assembler = Assembler(req.chat, req.return_token_ids)
-        if self.router.config.scheduler.prefix_index_blocks:
-            self.reply = ReplyText(req.chat)
+        if req.stream and self.router.config.scheduler.prefix_index_blocks:
+            self.reply = ReplyText(req.chat)  # an assembly keeps the text already
 
     def handed_off(self) -> None:
         """A worker process drives the response from now on (``serving.workers``): its
@@ -471,6 +471,8 @@ class Exchange:
         if tokens:
             self._tokens(tokens)
         partial = self.parser.held()  # an event the engine is still sending (not a token's)
+        if reply is not None:
+            partial += reply.held  # and the reply's text, for the prefix index
         if partial > self.held_bytes and (ended := self._outgrown(partial, out)):
             return ended
         if end_of_stream:
@@ -498,7 +500,7 @@ class Exchange:
         return [Body(True, b"".join(out), True)]
 
     def _assemble(self, chunk: bytes, end_of_stream: bool) -> list[Action]:
-        meter, assembler, reply = self.meter, self.assembler, self.reply
+        meter, assembler = self.meter, self.assembler
         assert meter is not None and assembler is not None and self.request is not None
         self.response_bytes += len(chunk)
         limit = self.router.config.serving.max_response_bytes
@@ -511,8 +513,6 @@ class Exchange:
                     continue
                 event = _decode(raw)
                 tokens += meter.observe(event, raw)
-                if reply is not None:
-                    reply.event(event)
                 assembler.feed(event)
         except EngineErrorEvent as exc:
             if meter.first_token_seen or tokens:
@@ -630,12 +630,18 @@ class Exchange:
         if meter is not None:
             usage = meter.usage
             prompt = usage.get("prompt_tokens") if usage is not None else None
-            reply = self.reply
             out = Outcome(meter.output_tokens, prompt if type(prompt) is int else None,
                           self.last_token_at, self.token_id_fault,
-                          reply.text() if reply is not None and terminal == errors.COMPLETED
-                          else None)
+                          self._reply() if terminal == errors.COMPLETED else None)
         self._ended(terminal, out)
+
+    def _reply(self) -> str | None:
+        """The reply the prefix index learns (None: the index is off)."""
+        if self.reply is not None:
+            return self.reply.text()
+        if self.assembler is not None and self.router.config.scheduler.prefix_index_blocks:
+            return self.assembler.reply()
+        return None
 
     def _ended(self, terminal: str, out: Outcome) -> None:
         self._give_back()
@@ -656,9 +662,10 @@ class Exchange:
         return True
 
     def _outgrown(self, held: int, out: list[bytes] | None = None) -> list[Action] | None:
-        """The response now holds ``held`` bytes (its assembly or error body, and the event
-        still arriving): the growth counted against ``serving.max_held_bytes``, or, past
-        it, what ends the request (503, or a stream's final error event)."""
+        """The response now holds ``held`` bytes (its assembly or error body, the reply's
+        text for the prefix index, and the event still arriving): the growth counted
+        against ``serving.max_held_bytes``, or, past it, what ends the request (503, or a
+        stream's final error event)."""
         if self._take(held - self.held_bytes):
             return None
         return self._end_failed(errors.held_bytes_full(

@@ -23,6 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from .jsontext import TextPieces
+
 BLOCK_BYTES = 64  # ~16 tokens at 4 bytes a token: vLLM's block size
 BLOCK_TOKENS = 16  # with a tokenizer: vLLM's block size itself
 # The most of a reply kept to extend its prompt's chain (~16k tokens); what a longer
@@ -105,16 +107,18 @@ def reply_blocks(chain: Chain, reply: str, tokenizer: Any = None) -> list[int]:
     return _chain(chain.last, chain.tail + text.encode(), BLOCK_BYTES)[0]
 
 
-class ReplyText:
+class ReplyText(TextPieces):
     """A response's generated text (the first choice's), as its events pass: what the
-    prefix index adds when the request completes. Bounded by ``REPLY_MAX_BYTES``.
-    ``event`` runs for every token event: direct lookups, a malformed event skipped."""
+    prefix index adds when the request completes. Bounded by ``REPLY_MAX_BYTES``
+    characters; ``held``, the bytes it holds, counts against ``serving.max_held_bytes``
+    with the rest of its response. ``event`` runs for every token event: direct lookups,
+    a malformed event skipped."""
 
-    __slots__ = ("parts", "size", "event")
+    __slots__ = ("held", "event")
 
     def __init__(self, chat: bool) -> None:
-        self.parts: list[str] = []
-        self.size = 0
+        super().__init__()
+        self.held = 0
         self.event = self._delta if chat else self._text
 
     def _delta(self, event: dict[str, Any]) -> None:
@@ -122,22 +126,19 @@ class ReplyText:
             piece = event["choices"][0]["delta"]["content"]
         except (KeyError, IndexError, TypeError):
             return
-        self._add(piece)
+        if piece.__class__ is str and piece and self.size < REPLY_MAX_BYTES:
+            self.held += self.add(piece)
 
     def _text(self, event: dict[str, Any]) -> None:
         try:
             piece = event["choices"][0]["text"]
         except (KeyError, IndexError, TypeError):
             return
-        self._add(piece)
-
-    def _add(self, piece: Any) -> None:
         if piece.__class__ is str and piece and self.size < REPLY_MAX_BYTES:
-            self.parts.append(piece)
-            self.size += len(piece)
+            self.held += self.add(piece)
 
     def text(self) -> str:
-        return "".join(self.parts)[:REPLY_MAX_BYTES]
+        return super().text()[:REPLY_MAX_BYTES]
 
 
 class PrefixIndex:
