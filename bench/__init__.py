@@ -1,6 +1,7 @@
 """Benchmarks: the data path (``bench.datapath``), one message in process
-(``bench.messages``), scheduling on the simulator (``bench.scheduling``) and admission in
-front of real vLLM (``bench.vllm_admission``)."""
+(``bench.messages``), matching a long prompt's KV blocks (``bench.kv_match``),
+scheduling on the simulator (``bench.scheduling``) and admission in front of real vLLM
+(``bench.vllm_admission``)."""
 
 from __future__ import annotations
 

@@ -659,12 +659,54 @@ def test_request_bodies_are_held_within_the_process_budget():
     assert imm.error.code == "held_bytes_full" and imm.error.retry_after == 1
     assert router.accounting.terminal["rejected"] == 1 and router.held_bytes == 1400
     h, *_ = first.request_body(b'"}]}', True)  # sent upstream: its bytes are given back
-    assert isinstance(h, Headers) and router.held_bytes == 700
+    hashes = first.ticket.held()  # but for its prompt's hashes (the prefix index's)
+    assert isinstance(h, Headers) and 10 * 44 > hashes >= 9 * 44
+    assert router.held_bytes == 700 + hashes == second.held_bytes + first.held_bytes
     second.close()  # a client gone mid-body gives its bytes back too
-    assert router.held_bytes == 0
+    assert router.held_bytes == hashes
     again = Exchange(router)
     again.request_headers(HDRS, False)
-    assert again.request_body(part, False) == [] and router.held_bytes == 700
+    assert again.request_body(part, False) == [] and router.held_bytes == 700 + hashes
+    first.close()
+    assert router.held_bytes == 700
+
+
+def test_a_prompts_hashes_count_in_the_process_budget_until_its_end():
+    """The prefix index's hashes of a prompt are held from admission to the request's end
+    (its reply extends them): 44 bytes a 64-byte block, 692 KB for a 1 MB prompt
+    (measured), counted nowhere until now, past the bodies the budget was for. Counted
+    with the request: a body that fits but not with its hashes is refused 429."""
+    import tracemalloc
+
+    from narwhal.core.prefix import prompt_blocks
+    from narwhal.core.scheduler import BLOCK_HELD
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "word " * 20_000}]}
+    tracemalloc.start()
+    blocks = prompt_blocks(body)[0]
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert 0.8 * held < BLOCK_HELD * len(blocks) < 1.25 * held, (held, len(blocks))
+
+    router = held_router(max_held_bytes=1600, max_response_bytes=1000)
+    part = b'{"model": "narwhal-sim", "max_tokens": 4, "messages": [{"role": "user", "content": "'
+    whole = part + b"x" * (700 - len(part)) + b'"}]}'
+    upstream = []
+    for _ in range(2):
+        ex = Exchange(router)
+        ex.request_headers(HDRS, False)
+        h, *_ = ex.request_body(whole, True)
+        assert isinstance(h, Headers) and ex.held_bytes == ex.ticket.held() == 9 * BLOCK_HELD
+        upstream.append(ex)
+    assert router.held_bytes == 2 * 9 * BLOCK_HELD  # 792 of 1,600
+    third = Exchange(router)
+    third.request_headers(HDRS, False)
+    (imm,) = third.request_body(whole, True)  # 704 bytes fit; with its 396 of hashes, not
+    assert isinstance(imm, Immediate) and imm.error.code == "held_bytes_full"
+    assert router.held_bytes == sum(ex.held_bytes for ex in upstream)
+    for ex in upstream:
+        ex.close()
+    assert router.held_bytes == 0
 
 
 def test_an_assembly_past_the_process_budget_ends_its_request_alone():

@@ -108,7 +108,7 @@ class Exchange:
                  "deadline", "budget_s", "tpot_budget_s", "ticket", "wake_at", "client_headers_sent",
                  "last_token_at", "strip", "engine_seen", "request_id", "candidates",
                  "decided_at", "ended_at", "error_code", "trace_headers", "recorded",
-                 "token_id_fault", "reply", "parked", "held_bytes")
+                 "token_id_fault", "reply", "parked", "held_bytes", "response_held")
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -119,6 +119,7 @@ class Exchange:
         self.request: CompletionRequest | None = None
         self.parked: bytes | None = None  # a large queued request's body, as the client sent it
         self.held_bytes = 0  # counted against serving.max_held_bytes (router.held_bytes)
+        self.response_held = 0  # of which the response's (its largest yet)
         self.engine: EngineState | None = None
         self.meter: Meter | None = None
         self.relay: Relay | None = None
@@ -269,6 +270,8 @@ class Exchange:
         self.ticket = Ticket(self, tokens, self.arrival, self.budget_s, self.deadline,
                              candidates=self.candidates, tpot_budget_s=self.tpot_budget_s)
         self.router.scheduler.annotate(self.ticket, req.chat, req.body, req.max_tokens)
+        if not self._take(self.ticket.held()):  # its prompt's hashes, held to its end
+            return self._refuse(errors.held_bytes_full(self.router.config.serving.max_held_bytes))
         lead = self.router.leadership
         leased_at = 0.0
         if lead is not None:
@@ -328,6 +331,7 @@ class Exchange:
         if self.request_bytes > PARK_BYTES:
             self.request = req.without_body()
         self._give_back()  # the body is on its way: what is counted now is the response's
+        self._take(ticket.held())  # and the prompt's hashes (less than was given back)
         self.phase = Phase.UPSTREAM
         # The chosen engine first, then its ranked fallbacks (the endpoint-picker protocol).
         dest = ",".join([engine.endpoint, *(e.endpoint for e in ticket.fallbacks)])
@@ -473,7 +477,7 @@ class Exchange:
         partial = self.parser.held()  # an event the engine is still sending (not a token's)
         if reply is not None:
             partial += reply.held  # and the reply's text, for the prefix index
-        if partial > self.held_bytes and (ended := self._outgrown(partial, out)):
+        if partial > self.response_held and (ended := self._outgrown(partial, out)):
             return ended
         if end_of_stream:
             self._flush_relay(out)
@@ -521,7 +525,7 @@ class Exchange:
         if tokens:
             self._tokens(tokens)
         held = assembler.held + self.parser.held()  # and the event still being received
-        if held > self.held_bytes and (ended := self._outgrown(held)):
+        if held > self.response_held and (ended := self._outgrown(held)):
             return ended
         if not end_of_stream:
             return []
@@ -666,7 +670,8 @@ class Exchange:
         text for the prefix index, and the event still arriving): the growth counted
         against ``serving.max_held_bytes``, or, past it, what ends the request (503, or a
         stream's final error event)."""
-        if self._take(held - self.held_bytes):
+        if self._take(held - self.response_held):
+            self.response_held = held
             return None
         return self._end_failed(errors.held_bytes_full(
             self.router.config.serving.max_held_bytes, response=True), out)

@@ -18,7 +18,9 @@ tokens per event, and the table itself (``capacity`` blocks, oldest dropped firs
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,7 +185,7 @@ def _link(parent: int, block: list[int]) -> int:
     return hash((parent, tuple(block)))
 
 
-def chain(token_ids: list[int], block_size: int) -> list[int]:
+def chain(token_ids: Sequence[int], block_size: int) -> list[int]:
     """Chained keys of the full blocks of ``token_ids`` (block i's covers blocks 0..i)."""
     out: list[int] = []
     h = block_size
@@ -191,6 +193,32 @@ def chain(token_ids: list[int], block_size: int) -> list[int]:
         h = _link(h, token_ids[start:start + block_size])
         out.append(h)
     return out
+
+
+class PromptKeys:
+    """A prompt's exact token IDs as a KV index matches them: the chain keys of its full
+    blocks (the last token left out: the engine always computes it), chained once per
+    block size. Chaining 250,000 tokens takes ~10 ms, and placement matches a request on
+    every engine with KV events, again at each of the queue's walks while it waits;
+    chained at each match, a queue of long prompts cost seconds a walk. The IDs are held
+    as 4 bytes each (a list of Python ints: 36-40); the request lets all of it go once
+    placed."""
+
+    __slots__ = ("ids", "keys")
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        self.ids = array("I", ids)  # a tokenizer's IDs are 32-bit
+        self.keys: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def chained(self, block_size: int) -> list[int]:
+        keys = self.keys.get(block_size)
+        if keys is None:
+            ids = self.ids
+            keys = self.keys[block_size] = chain(ids[:len(ids) - 1], block_size)
+        return keys
 
 
 @dataclass(slots=True)
@@ -415,7 +443,7 @@ class KvBlocks:
             return False
         return self.pending_since is None or now - self.pending_since <= self.stale_s
 
-    def match(self, token_ids: list[int]) -> tuple[int, bool]:
+    def match(self, prompt: PromptKeys) -> tuple[int, bool]:
         """Prompt tokens the engine holds as a cached prefix (whole blocks; never the
         last prompt token, which the engine always computes), and whether that is known:
         the walk ended at a block the engine reported evicting, at the prompt's end, or
@@ -428,7 +456,7 @@ class KvBlocks:
         n = 0
         held = self.held
         known = True
-        for key in chain(token_ids[:len(token_ids) - 1], size):
+        for key in prompt.chained(size):
             if key not in held:
                 known = self.complete or key in self.removed
                 break
