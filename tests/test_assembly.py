@@ -290,6 +290,29 @@ def test_text_in_pieces_is_held_and_counted_at_about_its_bytes(kind, piece):
     assert got == piece * n
 
 
+@pytest.mark.parametrize("chat", [True, False])
+def test_each_choice_and_tool_call_is_counted_at_what_it_holds(chat):
+    """Within MAX_CHOICES and MAX_TOOL_CALLS, an engine naming a new choice and tool call
+    in each event made a response hold 8.2 MB of objects from 1.9 MB of events, counted
+    0.05 MB against serving.max_held_bytes. Each is counted as it comes."""
+    import tracemalloc
+
+    def call(c: int, k: int) -> dict:
+        return ev(ch({"tool_calls": [{"index": k, "id": "i", "type": "function",
+                                      "function": {"name": "f", "arguments": "a"}}]},
+                     index=c))
+
+    raw = [orjson.dumps(call(c, k) if chat else ev({"index": c, "text": "a"}))
+           for c in range(128) for k in range(128 if chat else 1)]
+    a = Assembler(chat, False)
+    tracemalloc.start()
+    for r in raw:
+        a.feed(orjson.loads(r))
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert 0.8 * held < a.held < 1.25 * held, (a.held, held)
+
+
 @pytest.mark.parametrize("where", ["metadata", "logprobs", "stop_reason", "usage"])
 def test_output_nested_past_what_json_writes_is_malformed(where):
     """orjson reads 1,024 levels and writes 254: such output was an exception at the
