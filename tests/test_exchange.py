@@ -46,6 +46,7 @@ def test_non_streaming_round_trip_counts_completed(router):
     ex = Exchange(router)
     up = admit(ex)
     assert orjson.loads(up)["stream"] is True
+    assert ex.request.body == {"model": "narwhal-sim"}  # sent: not held parsed to its end
     assert ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False) == []
     sse = engine_stream(up)
     actions = []

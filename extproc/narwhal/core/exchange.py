@@ -46,9 +46,10 @@ CONFORMANCE_SERVED = "x-conformance-test-served-endpoint"
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, continued by tracing
 MAX_BODY_CHUNK = 62_000  # Envoy's streamed body mutations, as the Inference Extension sends them
 # A request body larger than this is not held parsed while its request waits in the queue
-# (the client's bytes are, parsed again at dispatch) nor once it is sent upstream: parsed,
-# a body takes up to ten times its bytes, and up to admission.retention_limit requests are
-# held. A smaller one stays parsed: under ~160 KiB parsed, and no second parse.
+# (the client's bytes are, parsed again at dispatch): parsed, a body takes up to ten times
+# its bytes, and up to admission.queue_limit requests wait. A smaller one stays parsed:
+# under ~160 KiB parsed, and no second parse. Once sent upstream, no body is held parsed:
+# up to admission.retention_limit requests are in flight, 160 MiB at 16 KiB each.
 PARK_BYTES = 16_384
 # Client paths that exist besides the completion routes, passed to an engine as they are.
 PASSTHROUGH = frozenset({("GET", "/v1/models")})
@@ -328,8 +329,7 @@ class Exchange:
         token_ids = engine.token_ids and req.ids_compatible
         self.expect_response(token_ids)
         body = upstream_body(req, token_ids)
-        if self.request_bytes > PARK_BYTES:
-            self.request = req.without_body()
+        self.request = req.without_body()  # the body is on its way (PARK_BYTES)
         self._give_back()  # the body is on its way: what is counted now is the response's
         self._take(ticket.held())  # and the prompt's hashes (less than was given back)
         self.phase = Phase.UPSTREAM

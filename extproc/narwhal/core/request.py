@@ -7,7 +7,7 @@ engine's business and is forwarded exactly as sent.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -59,8 +59,13 @@ class CompletionRequest:
         """This request as read once its body is on its way (or parked as the client's
         bytes): its facts and its model. Parsed, a body takes up to ten times its bytes
         (measured: 1 MiB of small messages, 9.8 MiB; of a token-ID prompt, 6.3 MiB), which
-        a thousand requests held through their responses would multiply."""
-        return replace(self, body={"model": str(self.body.get("model", ""))}, wide=None)
+        a thousand requests held through their responses would multiply. (Made directly:
+        ``dataclasses.replace`` took 2.4 us, this 1.1.)"""
+        return CompletionRequest(
+            chat=self.chat, body={"model": str(self.body.get("model", ""))},
+            stream=self.stream, include_usage=self.include_usage,
+            return_token_ids=self.return_token_ids, prompt_bytes=self.prompt_bytes,
+            max_tokens=self.max_tokens, ids_compatible=self.ids_compatible)
 
     def prompt_text(self) -> str:
         """The prompt's text parts, for a tokenizer (token-ID prompts have none)."""
