@@ -82,3 +82,25 @@ def test_a_line_in_one_byte_chunks_is_linear():
     assert time.process_time() - start < 2.0
     with pytest.raises(SSEError):
         p.feed(b"y" * 200_000)
+
+
+@pytest.mark.parametrize("shape", ["two-byte lines", "a line in two-byte chunks"])
+def test_an_event_held_in_pieces_takes_about_its_bytes(shape):
+    """An event still arriving is counted at its raw bytes (``held``) against
+    serving.max_held_bytes; as a list of bytes objects, one a line or a chunk, it took
+    5x (two-byte data lines) to 40x (two-byte chunks of one line) of them. Folded into
+    one buffer past PIECES pieces, about its bytes; the event is the same."""
+    import tracemalloc
+
+    chunks = ([b"data:ab\n" * 120_000] if shape == "two-byte lines"
+              else [b"data: {"] + [b"xy"] * 250_000)
+    p = SSEParser(1_048_576)
+    tracemalloc.start()
+    for c in chunks:
+        assert p.feed(c) == []
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert held < 1.25 * p.held() + 16_384, (held, p.held())
+    (event,) = p.feed(b"\n\n")
+    expected = b"\n".join([b"ab"] * 120_000) if shape == "two-byte lines" else b"{" + b"xy" * 250_000
+    assert event == expected and type(event) is bytes

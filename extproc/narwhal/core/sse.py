@@ -7,10 +7,27 @@ UTF-8 sequence. The parser keeps the partial line and yields only complete event
 Engine output is not trusted, so the work is linear and the memory bounded: an event's
 ``data`` lines and a partial line are kept as lists of pieces, joined once, and one
 bound applies to the raw bytes of the current event received so far (its lines and the
-partial line), so the same stream fails the same way however it is chunked.
+partial line), so the same stream fails the same way however it is chunked. Past
+``PIECES`` pieces a list is folded into one growing buffer: a bytes object per piece is
+~40 bytes beside its own (measured: a 1 MiB event of two-byte lines held 5.0 MiB, a
+line trickled a byte a chunk 8x its bytes), and ``held`` counts the raw bytes.
 """
 
 from __future__ import annotations
+
+PIECES = 64
+
+
+def _fold(pieces: list[bytes], sep: bytes) -> list[bytes]:
+    """``pieces`` as one buffer (``sep`` between them), the first extended in place: linear
+    over any number of folds."""
+    head = pieces[0]
+    if head.__class__ is not bytearray:
+        head = bytearray(head)
+    if sep:
+        head += sep
+    head += sep.join(pieces[1:])
+    return [head]  # type: ignore[list-item]  # a bytearray: joined like bytes
 
 
 class SSEError(ValueError):
@@ -58,6 +75,8 @@ class SSEParser:
                 self._pending.append(chunk)
                 self._pending_size += len(chunk)
                 self._check()
+                if len(self._pending) > PIECES:
+                    self._pending = _fold(self._pending, b"")
             return []
         if self._pending:
             self._pending.append(chunk)
@@ -82,7 +101,7 @@ class SSEParser:
                 line = line[:-1]
             if not line:
                 if data is not None:
-                    events.append(data[0] if len(data) == 1 else b"\n".join(data))
+                    events.append(bytes(data[0]) if len(data) == 1 else b"\n".join(data))
                     data = None
                 size = 0
                 continue
@@ -103,6 +122,8 @@ class SSEParser:
                 data = [value]
             else:
                 data.append(value)
+                if len(data) > PIECES:
+                    data = _fold(data, b"\n")
         self._data = data
         self._size = size
         if start < len(buf):
