@@ -672,6 +672,29 @@ def test_request_bodies_are_held_within_the_process_budget():
     assert router.held_bytes == 700
 
 
+def test_a_body_in_small_chunks_is_held_at_about_its_bytes():
+    """A client that sends its body a few bytes at a time (Envoy forwards each read as a
+    chunk) is counted at its bytes; held as a list of chunks, two-byte chunks took ~22x
+    them. Folded into one buffer: about its bytes, and the same request goes upstream."""
+    import tracemalloc
+
+    router = held_router(max_request_bytes=300_000, max_held_bytes=400_000,
+                         max_response_bytes=300_000)
+    body = orjson.dumps({"model": "narwhal-sim", "max_tokens": 4,
+                         "messages": [{"role": "user", "content": "ab" * 100_000}]})
+    ex = Exchange(router)
+    ex.request_headers(HDRS, False)
+    tracemalloc.start()
+    for i in range(0, len(body), 2):  # each chunk a new object, as each message's is
+        assert ex.request_body(body[i:i + 2], False) == []
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert router.held_bytes == len(body) and held < 1.25 * len(body) + 16_384, held
+    h, *bodies = ex.request_body(b"", True)
+    sent = orjson.loads(b"".join(b.data for b in bodies))
+    assert isinstance(h, Headers) and sent["messages"][0]["content"] == "ab" * 100_000
+
+
 def test_a_prompts_hashes_count_in_the_process_budget_until_its_end():
     """The prefix index's hashes of a prompt are held from admission to the request's end
     (its reply extends them): 44 bytes a 64-byte block, 692 KB for a 1 MB prompt

@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 import orjson
 
 from . import jsontext
-from .jsontext import JsonArray, TextPieces
+from .jsontext import JsonArray
 from .meter import EngineOutputError
+from .pieces import TextPieces
 from .prefix import REPLY_MAX_BYTES
 
 _T = TypeVar("_T")

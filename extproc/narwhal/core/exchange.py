@@ -15,7 +15,7 @@ from enum import Enum, auto
 
 import orjson
 
-from . import errors
+from . import errors, pieces
 from .assembly import Assembler
 from .control import Outcome
 from .engines import EngineState
@@ -247,7 +247,7 @@ class Exchange:
             return [Body(False, chunk, end_of_stream)] if self.phase != Phase.DONE else []
         if self.phase is not Phase.REQUEST_BODY:
             return []
-        self.buf.append(chunk)
+        self.buf = pieces.held(self.buf, chunk)  # a body trickled in small chunks: folded
         self.request_bytes += len(chunk)
         limit = self.router.config.serving.max_request_bytes
         if self.request_bytes > limit:
@@ -585,7 +585,7 @@ class Exchange:
         return self._refuse(err)
 
     def _upstream_error(self, chunk: bytes, end_of_stream: bool) -> list[Action]:
-        self.buf.append(chunk)
+        self.buf = pieces.held(self.buf, chunk)
         self.response_bytes += len(chunk)
         if self.response_bytes > self.router.config.serving.max_event_bytes:
             return self._refuse(errors.engine_failure(

@@ -13,15 +13,11 @@ to name as malformed output when it comes rather than at the response's end.
 
 from __future__ import annotations
 
-from sys import getsizeof
 from typing import Any
 
 import orjson
 
-# Parts of an array held as text are joined into one block every so many, so that an
-# assembly of one-token events holds about their bytes, not an object per event.
-BLOCK = 64
-PIECE = 57  # bytes of a short ASCII string beside its characters, and its place in a list
+from .pieces import PIECES
 
 
 def text(value: Any) -> bytes:
@@ -63,7 +59,7 @@ class JsonArray:
         parts = self.parts
         part = orjson.dumps(items)[1:-1]  # a slice: a copy of its size (see kept)
         parts.append(part)
-        if len(parts) >= BLOCK:
+        if len(parts) >= PIECES:  # an object per event: joined (``pieces``)
             self.blocks.append(b",".join(parts))
             parts.clear()
         return len(part) + 1
@@ -72,45 +68,4 @@ class JsonArray:
         return orjson.Fragment(b"[" + b",".join([*self.blocks, *self.parts]) + b"]")
 
 
-class TextPieces:
-    """A string the engine sends in pieces (content, reasoning, tool call arguments; the
-    reply the prefix index learns), joined into one block every ``BLOCK`` pieces.
-
-    Each piece is a Python string of ~50 bytes beside its characters: one-token pieces
-    held as a list took 15-90x their characters (measured: 90,000 one-character deltas,
-    88 KiB of text, held 5.6 MiB with the reply's copy), and were counted at their
-    characters, so that ``serving.max_held_bytes`` saw 1.5% of what a response held.
-    ``add`` returns the change in bytes held: a piece's characters and ``PIECE`` until it
-    is joined, then the block's own size in place of its pieces' (a non-ASCII piece's
-    2-4 bytes a character are counted once joined, at most ``BLOCK`` pieces later)."""
-
-    __slots__ = ("blocks", "parts", "size")
-
-    def __init__(self) -> None:
-        self.blocks: list[str] = []
-        self.parts: list[str] = []
-        self.size = 0  # characters
-
-    def __bool__(self) -> bool:
-        """Whether any piece came, an empty one included."""
-        return bool(self.parts or self.blocks)
-
-    def add(self, piece: str) -> int:
-        """Add ``piece``; return the change in bytes held."""
-        parts = self.parts
-        parts.append(piece)
-        n = len(piece)
-        self.size += n
-        if len(parts) < BLOCK:
-            return n + PIECE
-        block = "".join(parts)
-        parts.clear()
-        self.blocks.append(block)
-        # the block in place of the pieces counted before this one
-        return getsizeof(block) + 8 - (len(block) - n) - (BLOCK - 1) * PIECE
-
-    def text(self) -> str:
-        return "".join([*self.blocks, *self.parts])
-
-
-__all__ = ["BLOCK", "JsonArray", "TextPieces", "held", "kept", "text"]
+__all__ = ["JsonArray", "held", "kept", "text"]

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from .jsontext import TextPieces
+from .pieces import TextPieces
 
 BLOCK_BYTES = 64  # ~16 tokens at 4 bytes a token: vLLM's block size
 BLOCK_TOKENS = 16  # with a tokenizer: vLLM's block size itself
