@@ -196,3 +196,34 @@ def test_a_stream_silent_for_two_ticks_ends_deadline_exceeded():
         assert conn.tick_timer is None or conn.tick_timer.cancelled()
 
     asyncio.run(run())
+
+
+def test_a_message_in_small_frames_is_held_at_about_its_bytes():
+    """A peer may send a message a few bytes a DATA frame: held as a list of the frames'
+    payloads, two-byte frames took ~20x the message's bytes (the connection's receive
+    window bounds the bytes, not the objects). Folded into one buffer, about its bytes;
+    the message is the same."""
+    import tracemalloc
+
+    calls: list[Call] = []
+    conn = GrpcConnection({b"/svc/M": lambda stream: calls.append(Call(stream)) or calls[-1]})
+    t = Transport()
+    conn.transport = t  # type: ignore[assignment]
+    conn.http2.initiate()
+    peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    peer.initiate_connection()
+    peer.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                          (":path", "/svc/M"), ("content-type", "application/grpc")])
+    conn.data_received(peer.data_to_send())
+    msg = b"m" * 200_000
+    wire = b"\0" + len(msg).to_bytes(4, "big") + msg
+    tracemalloc.start()
+    for i in range(0, len(wire) - 2, 2):  # each payload a new object, as parsed frames are
+        conn.data_received(frame(http2.DATA, 0, 1, wire[i:i + 2]))
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert held < 1.25 * len(wire) + 65_536, held
+    (call,) = calls
+    assert call.messages == []
+    conn.data_received(frame(http2.DATA, http2.END_STREAM, 1, wire[len(wire) - 1:]))
+    assert call.messages == [msg] and type(call.messages[0]) is bytes and call.half_closed

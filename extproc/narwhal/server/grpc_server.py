@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
+from ..core import pieces
 from . import http2
 
 log = logging.getLogger("narwhal.grpc")
@@ -296,7 +297,7 @@ class GrpcConnection(asyncio.Protocol):
                     return
                 data = b""
         if data:
-            st.parts.append(data)
+            st.parts = pieces.held(st.parts, data)  # small frames: folded, not an object each
             st.buffered += len(data)
         if ev.end_stream:
             st.half_closed = True
@@ -327,7 +328,7 @@ class GrpcConnection(asyncio.Protocol):
             if st.buffered < 5 + n:
                 break
             if not buf:
-                buf = st.parts[0] if len(st.parts) == 1 else b"".join(st.parts)
+                buf = b"".join(st.parts)  # one bytes part is itself; a folded buffer, copied
                 st.parts = []
             msg = buf[pos + 5:pos + 5 + n]
             st.idle_ticks = -1
