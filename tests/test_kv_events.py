@@ -328,8 +328,8 @@ class Tok:
         def __init__(self, ids):
             self.ids = ids
 
-    def encode(self, text, add_special_tokens=False):
-        return self.Enc([ord(c) for c in text])
+    def encode_batch(self, texts, add_special_tokens=False):
+        return [self.Enc([ord(c) for c in text]) for text in texts]
 
 
 def test_chat_prompt_renders_the_template_in_the_engines_content_format():

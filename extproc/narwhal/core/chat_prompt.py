@@ -21,6 +21,8 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .tokens import encode
+
 MAX_PROMPT_TOKENS = 1_000_000
 
 
@@ -113,5 +115,5 @@ class PromptIds:
         return self._encode(text, False)
 
     def _encode(self, text: str, special: bool) -> list[int] | None:
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=special).ids
+        ids = encode(self.tokenizer, text, special)
         return ids if len(ids) <= MAX_PROMPT_TOKENS else None

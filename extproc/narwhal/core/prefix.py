@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .pieces import TextPieces
+from .tokens import encode
 
 BLOCK_BYTES = 64  # ~16 tokens at 4 bytes a token: vLLM's block size
 BLOCK_TOKENS = 16  # with a tokenizer: vLLM's block size itself
@@ -77,7 +78,7 @@ def prompt_blocks(body: dict[str, Any], tokenizer: Any = None
     seed = 0 if salt is None else hash(("cache_salt", str(salt)))
     chat = isinstance(body.get("messages"), list)
     if tokenizer is not None:
-        ids = tuple(tokenizer.encode(text, add_special_tokens=False).ids)
+        ids = tuple(encode(tokenizer, text))
         out, last = _chain(seed, ids, BLOCK_TOKENS)
         return out, len(ids), BLOCK_TOKENS, Chain(last, ids[len(out) * BLOCK_TOKENS:], chat)
     data = text.encode()
@@ -102,7 +103,7 @@ def reply_blocks(chain: Chain, reply: str, tokenizer: Any = None) -> list[int]:
     if isinstance(chain.tail, tuple):
         if tokenizer is None:
             return []
-        ids = chain.tail + tuple(tokenizer.encode(text, add_special_tokens=False).ids)
+        ids = chain.tail + tuple(encode(tokenizer, text))
         return _chain(chain.last, ids, BLOCK_TOKENS)[0]
     return _chain(chain.last, chain.tail + text.encode(), BLOCK_BYTES)[0]
 

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 
 from .prefix import BLOCK_BYTES, BLOCK_TOKENS
+from .tokens import encode
 
 EWMA = 0.1
 
@@ -31,7 +32,7 @@ class Sizer:
     def estimate(self, prompt_bytes: int, text: Callable[[], str] | None = None) -> int:
         """Prompt tokens; ``text`` is called only when a tokenizer is configured."""
         if self.tokenizer is not None and text is not None:
-            return max(1, len(self.tokenizer.encode(text(), add_special_tokens=False).ids))
+            return max(1, len(encode(self.tokenizer, text())))
         return max(1, math.ceil(prompt_bytes / self.bytes_per_token))
 
     def tokens_per_block(self) -> float:

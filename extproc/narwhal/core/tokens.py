@@ -1,4 +1,5 @@
-"""Token identity: which events must carry token IDs, and what a valid ID list is.
+"""Token identity: which events must carry token IDs, what a valid ID list is, and a
+tokenizer's IDs for a text (``encode``).
 
 The seed is strict: an event carrying generated text, reasoning, tool calls or a
 refusal must carry a list of non-negative integers. Python's ``bool`` is an ``int``
@@ -11,6 +12,16 @@ from typing import Any
 
 GENERATED_DELTA_KEYS = frozenset({"content", "reasoning", "reasoning_content", "refusal",
                                   "tool_calls", "function_call"})
+
+
+def encode(tokenizer: Any, text: str, special: bool = False) -> list[int]:
+    """``tokenizer``'s IDs for ``text`` (a ``tokenizers.Tokenizer``). As a batch of one: the
+    library's ``encode`` holds the GIL throughout (measured: a 1 MB prompt took 0.5-0.8 s
+    here, and a thread tokenizing it stopped the event loop as if inline), its
+    ``encode_batch`` lets it go, and costs the same (5.0 against 4.6 us for 11 characters,
+    175 against 166 for 900)."""
+    ids: list[int] = tokenizer.encode_batch([text], add_special_tokens=special)[0].ids
+    return ids
 
 
 class TokenIdError(ValueError):
