@@ -131,7 +131,7 @@ class Opcodes:
                 print(f"    {name:48s} {n / units:8.0f}  {n / total * 100:5.1f}%")
 
 
-WAITING = (Phase.REQUEST_BODY, Phase.QUEUED)  # a --clients request not yet upstream
+WAITING = (Phase.REQUEST_BODY, Phase.MEASURING, Phase.QUEUED)  # a --clients request not yet upstream
 
 # Set by --opcodes: the measured loops run under it instead of being timed.
 COUNT: Opcodes | None = None

@@ -812,3 +812,107 @@ def test_a_streamed_replys_text_counts_in_the_process_budget():
             break
     assert b"held_bytes_full" in out[-1].data and router.accounting.terminal["failed"] == 1
     assert 1500 < i < 2500 and router.held_bytes == 0  # ~15 KB of text in ~20 KB
+
+
+class Words:
+    """A stand-in tokenizer, a token a word. With ``gate`` (a ``threading.Event``), a long
+    text's tokenizing waits until the gate opens: the tokenizer's work on a long prompt,
+    held for as long as the test needs."""
+
+    def __init__(self, gate=None) -> None:
+        self.gate = gate
+
+    def encode_batch(self, texts, add_special_tokens=False):
+        from types import SimpleNamespace
+
+        if self.gate is not None and len(texts[0]) > 4096:
+            assert self.gate.wait(30)
+        return [SimpleNamespace(ids=list(range(len(t.split())))) for t in texts]
+
+
+def tokenizing_router(tokenizer, clock=None) -> Router:
+    router = ready(Router(parse({"admission": {"mode": "open"},
+                                 "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]}),
+                          **({} if clock is None else {"clock": clock})))
+    router.sizer.tokenizer = router.scheduler.tokenizer = tokenizer  # sizing.tokenizer's
+    return router
+
+
+LONG = orjson.dumps({"model": "narwhal-sim", "max_tokens": 4,
+                     "messages": [{"role": "user", "content": "narwhal tusk " * 1000}]})
+
+
+def test_a_long_prompt_is_measured_off_the_loop_then_admitted():
+    """With a tokenizer, a long prompt's tokenizing (0.5-0.8 s for 1 MB here, inline on the
+    event loop: every stream in the process stopped) is work the exchange leaves for the
+    adapter (``Router.measuring``): ``measure`` is pure, ``measured`` admits. A short
+    prompt is measured inline; a request that ends meanwhile ignores its measurement."""
+    from narwhal.core.exchange import Phase
+
+    now = [100.0]
+    router = tokenizing_router(Words(), lambda: now[0])
+    ex = Exchange(router)
+    ex.request_headers(HDRS, False)
+    assert ex.request_body(LONG, True) == [] and ex.phase is Phase.MEASURING
+    assert router.take_measuring() == [ex] and router.held_bytes == len(LONG)
+    m = ex.measure()
+    assert m.tokens == 2000 and m.prompt.blocks  # a token a word; its blocks in tokens
+    h, *bodies = ex.measured(m)
+    assert isinstance(h, Headers) and b"narwhal tusk" in b"".join(b.data for b in bodies)
+    assert ex.ticket.tokens == 2000 and ex.ticket.block_units == 16
+    short = Exchange(router)
+    short.request_headers(HDRS, False)
+    assert [type(a) for a in short.request_body(BODY, True)] == [Headers, Body]
+    assert router.measuring == []
+    gone = Exchange(router)  # its client leaves while its prompt is measured
+    gone.request_headers(HDRS, False)
+    gone.request_body(LONG, True)
+    gone.close()
+    assert gone.measured(gone.measure()) == [] and gone.terminal == "cancelled"
+    late = Exchange(router)  # its deadline passes while its prompt is measured
+    late.request_headers(HDRS | {"x-request-timeout-ms": "1000"}, False)
+    late.request_body(LONG, True)
+    now[0] += 1.0
+    (imm,) = late.expire()
+    assert imm.error.status == 504 and late.measured(late.measure()) == []
+    assert router.accounting.terminal["expired"] == 1
+    ex.close()
+    short.close()
+    assert router.held == 0 and router.held_bytes == 0
+
+
+def test_tokenizing_a_long_prompt_leaves_the_event_loop_serving():
+    """Through the adapter, on an event loop: while a long prompt's tokenizer is held in
+    its thread, another request is admitted and sent on the loop; once the tokenizer
+    returns, the long one is admitted and sent."""
+    import asyncio
+    import threading
+
+    from narwhal.server.driver import in_thread
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        gate = threading.Event()
+        router = tokenizing_router(Words(gate))
+        runtime = Runtime(router, loop, in_thread(loop))
+        long_sent: list = []
+        sent_long = asyncio.Event()
+
+        def send(actions: list) -> None:
+            long_sent.extend(actions)
+            if actions:
+                sent_long.set()
+
+        long = Driver(runtime, send)
+        long.step(long.ex.request_headers, HDRS, False)
+        long.step(long.ex.request_body, LONG, True)
+        other_sent: list = []
+        other = Driver(runtime, other_sent.extend)
+        other.step(other.ex.request_headers, HDRS, False)
+        other.step(other.ex.request_body, BODY, True)
+        assert [type(a) for a in other_sent] == [Headers, Body] and long_sent == []
+        gate.set()
+        await asyncio.wait_for(sent_long.wait(), 30)
+        assert isinstance(long_sent[0], Headers) and long.ex.ticket.tokens == 2000
+
+    asyncio.run(run())

@@ -58,22 +58,28 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
             + payload)
 
 
+def one_call() -> tuple[GrpcConnection, Transport, h2.connection.H2Connection, list[Call]]:
+    """A connection on a recording transport with a client that opened stream 1."""
+    calls: list[Call] = []
+    conn = GrpcConnection({b"/svc/M": lambda stream: calls.append(Call(stream)) or calls[-1]})
+    t = Transport()
+    conn.transport = t  # type: ignore[assignment]
+    conn.http2.initiate()
+    peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    peer.initiate_connection()
+    peer.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                          (":path", "/svc/M"), ("content-type", "application/grpc")])
+    conn.data_received(peer.data_to_send())
+    return conn, t, peer, calls
+
+
 def test_a_connection_error_sends_goaway_then_drops_the_rest_until_the_linger_ends():
     """A GOAWAY for the peer's error is followed by our FIN, not by a close: closing with
     the peer's flood unread would make the kernel reset the connection, and the reset can
     destroy the GOAWAY before the peer reads it. The rest is dropped unparsed, and the
     socket is aborted LINGER_S later if the peer has not closed by then."""
     async def run() -> None:
-        calls: list[Call] = []
-        conn = GrpcConnection({b"/svc/M": lambda stream: calls.append(Call(stream)) or calls[-1]})
-        t = Transport()
-        conn.transport = t  # type: ignore[assignment]
-        conn.http2.initiate()
-        peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-        peer.initiate_connection()
-        peer.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
-                              (":path", "/svc/M"), ("content-type", "application/grpc")])
-        conn.data_received(peer.data_to_send())
+        conn, t, peer, calls = one_call()
         (call,) = calls
         # A CONTINUATION with no HEADERS before it: a connection error.
         conn.data_received(frame(http2.CONTINUATION, 0, 3))
@@ -205,16 +211,7 @@ def test_a_message_in_small_frames_is_held_at_about_its_bytes():
     the message is the same."""
     import tracemalloc
 
-    calls: list[Call] = []
-    conn = GrpcConnection({b"/svc/M": lambda stream: calls.append(Call(stream)) or calls[-1]})
-    t = Transport()
-    conn.transport = t  # type: ignore[assignment]
-    conn.http2.initiate()
-    peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    peer.initiate_connection()
-    peer.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
-                          (":path", "/svc/M"), ("content-type", "application/grpc")])
-    conn.data_received(peer.data_to_send())
+    conn, _, _, calls = one_call()
     msg = b"m" * 200_000
     wire = b"\0" + len(msg).to_bytes(4, "big") + msg
     tracemalloc.start()

@@ -55,6 +55,12 @@ def test_predicted_cached_tokens_are_the_engines_own(kv_pair):
         predicted, cached, prompt = _ask(kv_pair, system, user)
         assert cached >= 2 * block  # the shared system prompt's whole blocks
         assert predicted == cached  # exactly what vLLM found in its cache
+    # A prompt past 4 KiB is tokenized off the event loop (``sizing.OFFLOAD_BYTES``), its
+    # admission finished when the tokenizer's thread is done: the same exact prediction.
+    long_user = "the narwhal tusk in the cold arctic ocean water " * 60  # the model's words
+    assert len(system) + len(long_user) > 4096
+    predicted, cached, prompt = _ask(kv_pair, system, long_user)
+    assert cached >= 2 * block and predicted == cached
     # The same prefix with a cache salt: vLLM keys salted blocks by the salt, so nothing
     # is cached for it, and Narwhal (which reads the salt in the blocks' extra keys and in
     # the request) predicts nothing; the same salt again finds the salted blocks.

@@ -26,7 +26,7 @@ from .record import ExchangeRecord
 from .relay import DONE, Relay
 from .request import COMPLETION_PATHS, CompletionRequest, parse_request, upstream_body
 from .router import Router
-from .scheduler import Dispatch, Queued, Refuse, Ticket
+from .scheduler import Dispatch, PromptFacts, Queued, Refuse, Ticket
 from .sse import SSEError, SSEParser
 from .tokens import TokenIdError
 
@@ -94,10 +94,19 @@ Action = Headers | Body | Trailers | Immediate
 class Phase(Enum):
     REQUEST_HEADERS = auto()
     REQUEST_BODY = auto()
+    MEASURING = auto()  # a long prompt being tokenized off the event loop
     QUEUED = auto()
     UPSTREAM = auto()
     RESPONSE_BODY = auto()
     DONE = auto()
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """A prompt's size in tokens and what its text tells placement (``Exchange.measure``)."""
+
+    tokens: int
+    prompt: PromptFacts
 
 
 class Exchange:
@@ -265,12 +274,46 @@ class Exchange:
             return self._refuse(exc)
         self.request = req
         self.sized = True
-        now = self.router.clock()
         self._arm(self.deadline)  # the body is whole: its deadline alone until admitted
-        tokens = self.router.sizer.estimate(req.prompt_bytes, req.prompt_text)
-        self.ticket = Ticket(self, tokens, self.arrival, self.budget_s, self.deadline,
+        if self.router.sizer.offloads(req.prompt_bytes):
+            # The tokenizer's work on a long prompt runs off the event loop (0.5-0.8 s for
+            # 1 MB here, every other stream stopped meanwhile): the adapter runs
+            # ``measure`` in a thread and goes on with ``measured``.
+            self.phase = Phase.MEASURING
+            self.buf = [raw]
+            self.router.measuring.append(self)
+            return []
+        return self._admit(raw, self.measure())
+
+    def measure(self) -> Measured:
+        """The prompt's tokens and what its text tells placement: the tokenizer's work.
+        Reads the request and configuration only: safe to run in a thread."""
+        req = self.request
+        assert req is not None
+        router = self.router
+        return Measured(router.sizer.estimate(req.prompt_bytes, req.prompt_text),
+                        router.scheduler.prompt_facts(req.chat, req.body))
+
+    def measured(self, m: Measured) -> list[Action]:
+        """The prompt measured off the event loop: admission goes on, unless the request
+        ended meanwhile (its client left, its deadline passed)."""
+        if self.phase is not Phase.MEASURING or self.terminal is not None:
+            return []
+        self.phase = Phase.REQUEST_BODY
+        (raw,) = self.buf
+        self.buf = []
+        return self._admit(raw, m)
+
+    def _admit(self, raw: bytes, m: Measured) -> list[Action]:
+        """Admission of the whole, measured request: a ticket, its held bytes, the
+        scheduler's decision."""
+        req = self.request
+        assert req is not None
+        now = self.router.clock()
+        self.ticket = Ticket(self, m.tokens, self.arrival, self.budget_s, self.deadline,
                              candidates=self.candidates, tpot_budget_s=self.tpot_budget_s)
-        self.router.scheduler.annotate(self.ticket, req.chat, req.body, req.max_tokens)
+        self.router.scheduler.annotate(self.ticket, req.chat, req.body, req.max_tokens,
+                                       m.prompt)
         if not self._take(self.ticket.held()):  # its prompt's hashes, held to its end
             return self._refuse(errors.held_bytes_full(self.router.config.serving.max_held_bytes))
         lead = self.router.leadership

@@ -2,7 +2,8 @@
 
 Sans-I/O like the rest of the core: nothing here sends, sleeps or schedules. Requests
 the scheduler dispatches from its queue collect in ``dispatched`` for the adapters to
-send (``take_dispatched``); commands that change who may take work (maintenance,
+send (``take_dispatched``), and exchanges whose long prompt is to be tokenized off the
+event loop in ``measuring`` (``take_measuring``); commands that change who may take work (maintenance,
 fencing, a health round, a profile) change state, pump the queue and notify the
 listeners, which is where an adapter learns that there is work to send.
 """
@@ -13,6 +14,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from ..config import Config
 from .accounting import Accounting
@@ -25,6 +27,9 @@ from .learning import Learning
 from .pool import Pool
 from .scheduler import Scheduler, Ticket
 from .sizing import Sizer
+
+if TYPE_CHECKING:
+    from .exchange import Exchange
 
 
 def default_identity() -> str:
@@ -58,6 +63,9 @@ class Router:
         self.listeners: list[Callable[[], None]] = []
         # Queued requests the scheduler placed, for the adapters to send upstream.
         self.dispatched: list[Ticket] = []
+        # Exchanges whose long prompt waits to be tokenized off the event loop (their
+        # ``measure``, then ``measured``), for the adapters to run.
+        self.measuring: list[Exchange] = []
         self.closes = CloseVerdicts(config.telemetry.close_verdict_ms / 1000)
         # What exchanges do to this state after dispatch (a worker process swaps in one
         # that sends it to the scheduler process).
@@ -127,6 +135,11 @@ class Router:
         each ticket's ``owner`` is its exchange, which sends when told
         (``Exchange.dispatched_from_queue``)."""
         out, self.dispatched = self.dispatched, []
+        return out
+
+    def take_measuring(self) -> list[Exchange]:
+        """The exchanges waiting for their prompt to be measured since the last call."""
+        out, self.measuring = self.measuring, []
         return out
 
     # -- commands: change who may take work, pump, notify -------------------------------

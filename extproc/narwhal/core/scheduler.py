@@ -25,7 +25,7 @@ from .learning import Learning
 from .outputs import Key, OutputLengths, system_hash
 from .placement import FILTERS, Candidate, Pipeline, extrapolated, project
 from .pool import Pool
-from .prefix import Chain, prompt_blocks, reply_blocks
+from .prefix import BLOCK_BYTES, Chain, prompt_blocks, reply_blocks
 from .steps import Prefill
 
 # What a ticket's prompt hashes hold, counted with its request against
@@ -35,6 +35,18 @@ from .steps import Prefill
 # the request is placed.
 BLOCK_HELD = 44
 PROMPT_ID_HELD = 8
+
+
+@dataclass(frozen=True, slots=True)
+class PromptFacts:
+    """A prompt's prefix-index blocks (their hashes, its length and a block's in the
+    index's unit, where its chain stops) and, with KV events, its exact token IDs."""
+
+    blocks: list[int]
+    units: int
+    block_units: int
+    chain: Chain | None
+    ids: PromptKeys | None
 
 
 @dataclass(slots=True)
@@ -136,21 +148,36 @@ class Scheduler:
         self.unclaimed: set[int] = set()
 
     # -- admission -----------------------------------------------------------------
-    def annotate(self, t: Ticket, chat: bool, body: dict[str, Any],
-                 max_tokens: int | None) -> None:
-        """What admission and placement know of a request beyond its size: its predicted
-        output length, and its prompt's blocks for the prefix index."""
-        t.output_keys = OutputLengths.keys(chat, system_hash(body), max_tokens, t.tokens)
-        t.predicted_output = self.learning.outputs.predict(t.output_keys, max_tokens)
+    def prompt_facts(self, chat: bool, body: dict[str, Any]) -> PromptFacts:
+        """What the prompt's text tells placement: with a tokenizer, the costly part of
+        admission. Reads only configuration and the request: safe to run in a thread,
+        which is where a long prompt's is run (``Exchange.measure``)."""
+        blocks, units, block_units, chain = [], 0, BLOCK_BYTES, None
         if self.config.scheduler.prefix_index_blocks:
-            t.blocks, t.prompt_units, t.block_units, t.chain = prompt_blocks(body, self.tokenizer)
+            blocks, units, block_units, chain = prompt_blocks(body, self.tokenizer)
+        ids = None
         # A salted prompt's blocks are reported with their salt, which the exact match
         # does not model: its prefix is the index's (salted there) or the hit rate's.
         if self.prompt_ids is not None and body.get("cache_salt") is None:
-            ids = self.prompt_ids.ids(body, chat)
-            if ids:
-                t.prompt_ids = PromptKeys(ids)
-                t.tokens = len(ids)  # exact, where the estimate was an estimate
+            found = self.prompt_ids.ids(body, chat)
+            if found:
+                ids = PromptKeys(found)
+        return PromptFacts(blocks, units, block_units, chain, ids)
+
+    def annotate(self, t: Ticket, chat: bool, body: dict[str, Any],
+                 max_tokens: int | None, facts: PromptFacts | None = None) -> None:
+        """What admission and placement know of a request beyond its size: its predicted
+        output length, and its prompt's facts (``prompt_facts``, computed here if not
+        given)."""
+        t.output_keys = OutputLengths.keys(chat, system_hash(body), max_tokens, t.tokens)
+        t.predicted_output = self.learning.outputs.predict(t.output_keys, max_tokens)
+        if facts is None:
+            facts = self.prompt_facts(chat, body)
+        t.blocks, t.prompt_units, t.block_units, t.chain = (
+            facts.blocks, facts.units, facts.block_units, facts.chain)
+        if facts.ids is not None:
+            t.prompt_ids = facts.ids
+            t.tokens = len(facts.ids)  # exact, where the estimate was an estimate
 
     def admit(self, t: Ticket, now: float) -> Decision:
         engines = self.pool.serviceable(now, t.candidates)

@@ -15,6 +15,9 @@ from .prefix import BLOCK_BYTES, BLOCK_TOKENS
 from .tokens import encode
 
 EWMA = 0.1
+# A prompt longer than this is tokenized off the event loop (``Exchange.measure``): ~2-3
+# ms of a tokenizer's work here, where a thread's hand-off costs tens of microseconds.
+OFFLOAD_BYTES = 4096
 
 
 class SizingError(ValueError):
@@ -34,6 +37,11 @@ class Sizer:
         if self.tokenizer is not None and text is not None:
             return max(1, len(encode(self.tokenizer, text())))
         return max(1, math.ceil(prompt_bytes / self.bytes_per_token))
+
+    def offloads(self, prompt_bytes: int) -> bool:
+        """Whether a prompt this long is tokenized off the event loop: only with a
+        tokenizer (without one, sizing is arithmetic) and past ``OFFLOAD_BYTES``."""
+        return self.tokenizer is not None and prompt_bytes > OFFLOAD_BYTES
 
     def tokens_per_block(self) -> float:
         """Tokens one prefix-index block covers: 16 with a tokenizer, else 64 bytes'

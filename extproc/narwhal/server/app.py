@@ -21,7 +21,7 @@ from ..core.router import Router
 from .access_log import ACCESS_LOG_PATH, AccessLogCall
 from .admin import admin_app, admin_token
 from .discovery import discover_once, discovery_loop
-from .driver import RECORDS, Runtime
+from .driver import RECORDS, Runtime, in_thread
 from .extproc import PROCESS_PATH, ExternalProcessor, ExtProcCall
 from .grpc_health import (
     CHECK_PATH,
@@ -156,7 +156,8 @@ async def serve(config: Config, config_path: str | None = None) -> None:
     """``config_path``: where ``config`` was read, for worker processes to read it too."""
     token = admin_token(config.telemetry)  # a missing file or variable fails start-up
     router = Router(config)
-    runtime = Runtime(router, asyncio.get_running_loop())
+    loop = asyncio.get_running_loop()
+    runtime = Runtime(router, loop, in_thread(loop))
     start = _start_asyncio if config.serving.transport == "asyncio" else _start_grpcio
     stop_grpc = await start(config, runtime)
     workers = None

@@ -1,9 +1,11 @@
 """Doing the work the core returns: the one place where exchanges meet the event loop.
 
 The core never sends, schedules or calls back into an exchange. After each step it
-leaves two kinds of work: an exchange's ``wake_at`` (when its deadline, admission wait
-or stall check is due) and the router's ``dispatched`` queue (requests the scheduler
-placed from its queue, which belong to *other* exchanges). A ``Driver`` wraps one
+leaves three kinds of work: an exchange's ``wake_at`` (when its deadline, admission wait
+or stall check is due), the router's ``dispatched`` queue (requests the scheduler
+placed from its queue, which belong to *other* exchanges) and its ``measuring`` list (a
+long prompt to tokenize, which the ``Runtime`` does in a thread, ``Offload``, so that
+the event loop serves every other stream meanwhile). A ``Driver`` wraps one
 exchange for a transport adapter: it sends the actions of each step, keeps the
 exchange's timer in step with ``wake_at``, and then has the ``Runtime`` send what was
 dispatched. The runtime also keeps the close-verdict timer and drains dispatches after
@@ -14,9 +16,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
 
-from ..core.exchange import Action, Exchange
+from ..core.exchange import Action, Exchange, Measured
 from ..core.record import ExchangeRecord
 from ..core.router import Router
 
@@ -40,6 +43,26 @@ class RecordSink(Protocol):
 
 # Where finished exchanges' records go (tracing), when something wants them.
 RECORDS: list[RecordSink] = []
+
+# Runs ``work`` somewhere, then ``done(result)`` on the event loop, ``result`` a callable
+# that returns what ``work`` returned or raises what it raised.
+Offload = Callable[[Callable[[], Any], Callable[[Callable[[], Any]], None]], None]
+
+
+def inline(work: Callable[[], Any], done: Callable[[Callable[[], Any]], None]) -> None:
+    """No thread: ``work`` runs when ``done`` asks (tests, and no event loop)."""
+    done(work)
+
+
+def in_thread(loop: Any) -> Offload:
+    """``work`` on one thread of its own, ``done`` back on ``loop``. One: tokenizing is CPU
+    work, and a second thread would only take turns with it."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="narwhal-measure")
+
+    def offload(work: Callable[[], Any], done: Callable[[Callable[[], Any]], None]) -> None:
+        loop.run_in_executor(pool, work).add_done_callback(lambda f: done(f.result))
+
+    return offload
 
 
 class Alarm:
@@ -76,9 +99,10 @@ class Runtime:
     """Per router: the live drivers (to find the exchange a dispatched ticket belongs
     to), the close-verdict timer, and draining the router's dispatches."""
 
-    def __init__(self, router: Router, timers: Timers) -> None:
+    def __init__(self, router: Router, timers: Timers, offload: Offload = inline) -> None:
         self.router = router
         self.timers = timers
+        self.offload = offload
         self.live: dict[Exchange, Driver] = {}
         self.closes = Alarm(timers, router.clock, self._closes_due)
         router.listeners.append(self.drain)  # background commands pump, then notify
@@ -93,6 +117,14 @@ class Runtime:
                 if driver is None:  # its stream is gone; its release already settled it
                     continue
                 driver.deliver(driver.ex.dispatched_from_queue())
+
+    def measure(self) -> None:
+        """Tokenize each waiting exchange's long prompt off the event loop (``offload``);
+        its admission goes on when that is done (``Driver.measured``)."""
+        for ex in self.router.take_measuring():
+            driver = self.live.get(ex)
+            if driver is not None:
+                self.offload(ex.measure, driver.measured)
 
     def sync_closes(self) -> None:
         """Keep one timer on the oldest wait for a close verdict."""
@@ -125,8 +157,11 @@ class Driver:
         work it left: its timer, and requests it let the scheduler dispatch."""
         self.send(self._run(call, *args))
         self._sync_timer()
-        if self.runtime.router.dispatched:  # per message: no call when there is none
+        router = self.runtime.router
+        if router.dispatched:  # per message: no call when there is none
             self.runtime.drain()
+        if router.measuring:
+            self.runtime.measure()
 
     def _run(self, call: Callable[..., list[Action]], *args: object) -> list[Action]:
         """An exchange method's actions; a bug in it ends this request alone (500)."""
@@ -143,6 +178,12 @@ class Driver:
             if self.flush is not None:
                 self.flush()
         self._sync_timer()
+
+    def measured(self, result: Callable[[], Measured]) -> None:
+        """The exchange's prompt, measured off the event loop (``result`` returns it, or
+        raises what measuring raised: a failure ends this request alone)."""
+        self.deliver(self._run(lambda: self.ex.measured(result())))
+        self.runtime.drain()
 
     def closed(self) -> None:
         """The ext_proc stream is over: close the exchange, hand its record on (once),
