@@ -190,6 +190,29 @@ def test_request_trailers_end_the_body(router):
     assert not b.end_of_stream and orjson.loads(b.data)["stream"] is True
 
 
+def test_trailers_of_a_queued_request_are_answered_after_its_body():
+    """A body ended by trailers whose request waits (in the queue, or for its prompt to be
+    measured): Envoy takes the replies in order, so the trailers' reply follows the body
+    sent upstream, not the trailers' arrival."""
+    router = ready(Router(parse({"admission": {"mode": "open"},
+                                 "scheduler": {"max_prefill_per_engine": 1,
+                                               "max_decode_per_engine": 1},
+                                 "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]})))
+    runtime = Runtime(router, NoTimers())
+    first, second = [], []
+    d1, d2 = Driver(runtime, first.extend), Driver(runtime, second.extend)
+    d1.step(d1.ex.request_headers, HDRS, False)
+    d1.step(d1.ex.request_body, BODY, True)
+    d2.step(d2.ex.request_headers, HDRS, False)
+    d2.step(d2.ex.request_body, BODY, False)
+    d2.step(d2.ex.request_trailers)
+    assert [type(a) for a in first] == [Headers, Body] and second == []
+    d1.closed()  # frees the slot: the queue sends the second, then its trailers' reply
+    h, b, t = second
+    assert isinstance(h, Headers) and isinstance(b, Body) and isinstance(t, Trailers)
+    assert not b.end_of_stream
+
+
 REFUSAL = (b'data: {"error":{"message":"too many logprobs","type":"BadRequestError",'
            b'"param":"logprobs","code":400}}\n\ndata: [DONE]\n\n')
 

@@ -118,7 +118,8 @@ class Exchange:
                  "deadline", "budget_s", "tpot_budget_s", "ticket", "wake_at", "client_headers_sent",
                  "last_token_at", "strip", "engine_seen", "request_id", "candidates",
                  "decided_at", "ended_at", "error_code", "trace_headers", "recorded",
-                 "token_id_fault", "reply", "parked", "held_bytes", "response_held")
+                 "token_id_fault", "reply", "parked", "held_bytes", "response_held",
+                 "trailers_after")
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -130,6 +131,7 @@ class Exchange:
         self.parked: bytes | None = None  # a large queued request's body, as the client sent it
         self.held_bytes = 0  # counted against serving.max_held_bytes (router.held_bytes)
         self.response_held = 0  # of which the response's (its largest yet)
+        self.trailers_after = False  # the client's trailers, answered after the body
         self.engine: EngineState | None = None
         self.meter: Meter | None = None
         self.relay: Relay | None = None
@@ -378,13 +380,16 @@ class Exchange:
         self.phase = Phase.UPSTREAM
         # The chosen engine first, then its ranked fallbacks (the endpoint-picker protocol).
         dest = ",".join([engine.endpoint, *(e.endpoint for e in ticket.fallbacks)])
-        return [
+        actions: list[Action] = [
             Headers(False, destination=dest,
                     set=[(DESTINATION_HEADER, dest),
                          ("content-length", str(len(body)))],
                     remove=["accept-encoding", "transfer-encoding", *self.strip]),
             *_bodies(False, body),
         ]
+        if self.trailers_after:
+            return _with_trailers(actions)
+        return actions
 
     def expect_response(self, token_ids: bool) -> None:
         """What reads the engine's answer: ``token_ids`` when the upstream body asks for
@@ -419,9 +424,12 @@ class Exchange:
         if not (self.completion and self.phase is Phase.REQUEST_BODY):
             return [Trailers(False)]
         actions = self.request_body(b"", True)
-        if actions and isinstance(actions[-1], Body):
-            actions[-1].end_of_stream = False
-        return [*actions, Trailers(False)]
+        if not actions and self.phase in (Phase.MEASURING, Phase.QUEUED):
+            # Its body goes upstream later (``_upstream``): Envoy takes the replies in
+            # order, so the trailers' comes after the body's, then.
+            self.trailers_after = True
+            return []
+        return _with_trailers(actions)
 
     # -- response --------------------------------------------------------------
     def response_headers(self, headers: dict[str, str], end_of_stream: bool,
@@ -870,6 +878,14 @@ class Exchange:
             prompt_tokens=prompt if isinstance(prompt, int) else (t.tokens if t else None),
             output_tokens=meter.output_tokens if meter is not None else None,
             trace_headers=self.trace_headers)
+
+
+def _with_trailers(actions: list[Action]) -> list[Action]:
+    """A request's replies when its client sent trailers: the rewritten body stays open
+    (Envoy forwards the trailers after it), then the trailers' own reply."""
+    if actions and isinstance(actions[-1], Body):
+        actions[-1].end_of_stream = False
+    return [*actions, Trailers(False)]
 
 
 def _bodies(response: bool, data: bytes) -> list[Body]:
