@@ -651,10 +651,35 @@ def test_a_large_body_is_held_as_its_bytes_while_queued_and_not_at_all_once_sent
     assert one.request.body == {"model": "narwhal-sim"} and one.parked is None  # sent
     assert two.request.body == {"model": "narwhal-sim"} and two.parked == big  # queued
     assert small.request.body == orjson.loads(BODY) and small.parked is None  # small: parsed
+    assert small.held_bytes == 10 * len(BODY)  # counted as a parsed body may take
     drivers[0].closed()  # frees the slot: the queue sends the second, parsed again
     assert b"".join(a.data for a in second if isinstance(a, Body)) == sent
     assert two.parked is None and two.request.body == {"model": "narwhal-sim"}
     assert two.request.max_tokens == 4 and not two.request.stream
+
+
+def test_a_small_queued_body_stays_parsed_only_where_the_budget_has_room():
+    """A queued body under 16 KiB stays parsed (no second parse to go), up to ~10x its
+    bytes (~160 KiB; 256 queued: 40 MiB, counted nowhere): counted so now, and held as its
+    bytes instead where the process's budget has no room for that."""
+    router = ready(Router(parse({"admission": {"mode": "open"},
+                                 "serving": {"max_request_bytes": 1000,
+                                             "max_response_bytes": 1000,
+                                             "max_held_bytes": 1200},  # room for one parsed
+                                 "scheduler": {"max_prefill_per_engine": 1,
+                                               "max_decode_per_engine": 1},
+                                 "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]})))
+    runtime = Runtime(router, NoTimers())
+    drivers = [Driver(runtime, lambda _: None) for _ in range(3)]
+    for d in drivers:
+        d.step(d.ex.request_headers, HDRS, False)
+        d.step(d.ex.request_body, BODY, True)
+    _, parsed, parked = (d.ex for d in drivers)
+    assert parsed.parked is None and parsed.held_bytes == 10 * len(BODY)
+    assert parked.parked == BODY and parked.held_bytes == len(BODY)
+    assert router.held_bytes == sum(d.ex.held_bytes for d in drivers)
+    drivers[0].closed()  # the parsed one goes, its parsed share given back
+    assert parsed.phase.name == "UPSTREAM" and parsed.held_bytes == parsed.ticket.held()
 
 
 def held_router(**serving) -> Router:

@@ -48,9 +48,11 @@ MAX_BODY_CHUNK = 62_000  # Envoy's streamed body mutations, as the Inference Ext
 # A request body larger than this is not held parsed while its request waits in the queue
 # (the client's bytes are, parsed again at dispatch): parsed, a body takes up to ten times
 # its bytes, and up to admission.queue_limit requests wait. A smaller one stays parsed:
-# under ~160 KiB parsed, and no second parse. Once sent upstream, no body is held parsed:
-# up to admission.retention_limit requests are in flight, 160 MiB at 16 KiB each.
+# under ~160 KiB parsed, and no second parse, counted so against serving.max_held_bytes
+# (``PARSED_HELD``; parked when that does not fit). Once sent upstream, no body is held
+# parsed: up to admission.retention_limit requests are in flight, 160 MiB at 16 KiB each.
 PARK_BYTES = 16_384
+PARSED_HELD = 10  # a parsed body takes up to ten times its bytes (1 MiB of small messages: 9.8)
 # Client paths that exist besides the completion routes, passed to an engine as they are.
 PASSTHROUGH = frozenset({("GET", "/v1/models")})
 # Request headers that steer routing or Narwhal: never taken from a client.
@@ -338,7 +340,10 @@ class Exchange:
                      lead.token, lead.identity, leased_at)
         if isinstance(decision, Queued):
             self.phase = Phase.QUEUED
-            if self.request_bytes > PARK_BYTES:  # held as its bytes while it waits, parsed again to go
+            # Held as its bytes while it waits, parsed again to go; a small body stays
+            # parsed where the budget has room for it so (its bytes are counted already).
+            if self.request_bytes > PARK_BYTES \
+                    or not self._take((PARSED_HELD - 1) * self.request_bytes):
                 self.parked = raw
                 self.request = req.without_body()
             self._arm(min(self.deadline, now + self.router.config.admission.max_wait_ms / 1000))
