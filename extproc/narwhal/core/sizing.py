@@ -15,7 +15,7 @@ from .prefix import BLOCK_BYTES, BLOCK_TOKENS
 from .tokens import encode
 
 EWMA = 0.1
-# A prompt longer than this is tokenized off the event loop (``Exchange.measure``): ~2-3
+# A prompt longer than this is tokenized off the event loop (``Exchange.measure``): ~1-3
 # ms of a tokenizer's work here, where a thread's hand-off costs tens of microseconds.
 OFFLOAD_BYTES = 4096
 
