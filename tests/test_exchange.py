@@ -194,10 +194,7 @@ def test_trailers_of_a_queued_request_are_answered_after_its_body():
     """A body ended by trailers whose request waits (in the queue, or for its prompt to be
     measured): Envoy takes the replies in order, so the trailers' reply follows the body
     sent upstream, not the trailers' arrival."""
-    router = ready(Router(parse({"admission": {"mode": "open"},
-                                 "scheduler": {"max_prefill_per_engine": 1,
-                                               "max_decode_per_engine": 1},
-                                 "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]})))
+    router = one_slot_router()
     runtime = Runtime(router, NoTimers())
     first, second = [], []
     d1, d2 = Driver(runtime, first.extend), Driver(runtime, second.extend)
@@ -336,13 +333,19 @@ def ready(r: Router) -> Router:
     return r
 
 
+def one_slot_router(**serving) -> Router:
+    """Open admission to one engine with one prefill and one decode slot: a second
+    request waits in the queue until the first ends."""
+    return ready(Router(parse({"admission": {"mode": "open"}, "serving": serving,
+                               "scheduler": {"max_prefill_per_engine": 1,
+                                             "max_decode_per_engine": 1},
+                               "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]})))
+
+
 def test_failure_at_queue_dispatch_stays_in_its_request(monkeypatch):
     """A request failing when the queue places it must not raise into the turn that
     freed the slot (another exchange's), and must not harm that exchange."""
-    router = ready(Router(parse({"admission": {"mode": "open"},
-                                 "scheduler": {"max_prefill_per_engine": 1,
-                                               "max_decode_per_engine": 1},
-                                 "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]})))
+    router = one_slot_router()
     runtime = Runtime(router, NoTimers())
     first, second = [], []
     d1, d2 = Driver(runtime, first.extend), Driver(runtime, second.extend)
@@ -627,11 +630,7 @@ def test_a_large_body_is_held_as_its_bytes_while_queued_and_not_at_all_once_sent
     held is its facts and its model."""
     import tracemalloc
 
-    router = ready(Router(parse({"admission": {"mode": "open"},
-                                 "serving": {"max_request_bytes": 4_000_000},
-                                 "scheduler": {"max_prefill_per_engine": 1,
-                                               "max_decode_per_engine": 1},
-                                 "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]})))
+    router = one_slot_router(max_request_bytes=4_000_000)
     runtime = Runtime(router, NoTimers())
     big = orjson.dumps({"model": "narwhal-sim", "max_tokens": 4, "temperature": 0.5,
                         "messages": [{"role": "user", "content": "x"}] * 30_000})
@@ -662,13 +661,8 @@ def test_a_small_queued_body_stays_parsed_only_where_the_budget_has_room():
     """A queued body under 16 KiB stays parsed (no second parse to go), up to ~10x its
     bytes (~160 KiB; 256 queued: 40 MiB, counted nowhere): counted so now, and held as its
     bytes instead where the process's budget has no room for that."""
-    router = ready(Router(parse({"admission": {"mode": "open"},
-                                 "serving": {"max_request_bytes": 1000,
-                                             "max_response_bytes": 1000,
-                                             "max_held_bytes": 1200},  # room for one parsed
-                                 "scheduler": {"max_prefill_per_engine": 1,
-                                               "max_decode_per_engine": 1},
-                                 "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]})))
+    router = one_slot_router(max_request_bytes=1000, max_response_bytes=1000,
+                             max_held_bytes=1200)  # room for one parsed
     runtime = Runtime(router, NoTimers())
     drivers = [Driver(runtime, lambda _: None) for _ in range(3)]
     for d in drivers:

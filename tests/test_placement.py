@@ -30,11 +30,15 @@ def ticket(tokens: int = 1000, tpot_s: float | None = None) -> Ticket:
     return Ticket(None, tokens, 100.0, 60.0, 160.0, tpot_budget_s=tpot_s)
 
 
+def annotate(r: Router, t: Ticket, body: dict, max_tokens: int) -> None:
+    """A chat request's ticket annotated as admission does, its prompt measured here."""
+    r.scheduler.annotate(t, True, body, max_tokens, r.scheduler.prompt_facts(True, body))
+
+
 def chat_ticket(r: Router, system: dict, question: str, tokens: int) -> Ticket:
     """A sized chat request with a system prompt, annotated for the prefix index."""
     t = ticket(tokens)
-    r.scheduler.annotate(t, True, {"messages": [system, {"role": "user", "content": question}]},
-                         64)
+    annotate(r, t, {"messages": [system, {"role": "user", "content": question}]}, 64)
     return t
 
 
@@ -152,7 +156,7 @@ def test_output_length_memory_is_bounded():
 def test_completion_feeds_output_learning_through_release():
     r = router()
     t = ticket()
-    r.scheduler.annotate(t, True, {"messages": []}, 256)
+    annotate(r, t, {"messages": []}, 256)
     assert t.predicted_output == 128
     d = r.scheduler.admit(t, 100.0)
     assert d.engine.decode_backlog == 128
@@ -195,24 +199,24 @@ def test_a_completed_reply_joins_the_index_where_it_was_generated():
     user = {"role": "user", "content": "Tell me about narwhals. " * 10}
     reply = "Narwhals are arctic whales with a long tusk. " * 40  # 1.8 kB: 28 blocks
     first = ticket(1000)
-    r.scheduler.annotate(first, True, {"messages": [system, user]}, 64)
+    annotate(r, first, {"messages": [system, user]}, 64)
     assert r.scheduler.admit(first, 100.0).engine is a
     r.scheduler.first_token(first, 100.4)
     r.scheduler.release(first, 400, 101.0, reply)
     follow = {"messages": [system, user, {"role": "assistant", "content": reply},
                            {"role": "user", "content": "And their tusks?"}]}
     second = ticket(1000)
-    r.scheduler.annotate(second, True, follow, 64)
+    annotate(r, second, follow, 64)
     # All of it but the block the new question falls in.
     assert a.prefix.match(second.blocks) >= len(second.blocks) - 1
     assert b.prefix.match(second.blocks) == 0
     assert project(a, second).cached > 0.9 and project(b, second).cached == 0
     # Not completed (cancelled, failed, refused by the engine): no reply is added.
     third, other = ticket(1000), ticket(1000)
-    r.scheduler.annotate(third, True, {"messages": [system, {"role": "user", "content": "x"}]}, 64)
+    annotate(r, third, {"messages": [system, {"role": "user", "content": "x"}]}, 64)
     assert r.scheduler.admit(third, 100.0).engine is a
     r.scheduler.release(third, None, 0.0, None)
-    r.scheduler.annotate(other, True, {"messages": [system, {"role": "user", "content": "x"},
+    annotate(r, other, {"messages": [system, {"role": "user", "content": "x"},
                                                     {"role": "assistant", "content": reply}]}, 64)
     assert a.prefix.match(other.blocks) < len(other.blocks) // 2
 

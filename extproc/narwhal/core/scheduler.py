@@ -165,14 +165,11 @@ class Scheduler:
         return PromptFacts(blocks, units, block_units, chain, ids)
 
     def annotate(self, t: Ticket, chat: bool, body: dict[str, Any],
-                 max_tokens: int | None, facts: PromptFacts | None = None) -> None:
+                 max_tokens: int | None, facts: PromptFacts) -> None:
         """What admission and placement know of a request beyond its size: its predicted
-        output length, and its prompt's facts (``prompt_facts``, computed here if not
-        given)."""
+        output length, and its prompt's facts (``prompt_facts``)."""
         t.output_keys = OutputLengths.keys(chat, system_hash(body), max_tokens, t.tokens)
         t.predicted_output = self.learning.outputs.predict(t.output_keys, max_tokens)
-        if facts is None:
-            facts = self.prompt_facts(chat, body)
         t.blocks, t.prompt_units, t.block_units, t.chain = (
             facts.blocks, facts.units, facts.block_units, facts.chain)
         if facts.ids is not None:
