@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from math import sqrt
 
 from .steps import MIN_GAP_S, Prefill, StepModel
 
@@ -70,7 +71,7 @@ class WindowFit:
     losing its samples, never by amplifying it, and the pull (``RIDGE`` of each
     feature's own weight) holds a direction no sample excites where it was."""
 
-    __slots__ = ("theta", "_rows", "_a", "_b", "_n", "_prior")
+    __slots__ = ("theta", "_rows", "_a", "_b", "_n", "_prior", "_order")
 
     def __init__(self, theta: list[float], variance: list[float], window: int) -> None:
         self.theta = list(theta)
@@ -82,6 +83,9 @@ class WindowFit:
         self._a: list[list[float]] = []  # the window's X'X and X'1, kept as sums
         self._b: list[float] = []
         self._n = 0  # samples since the sums were last rebuilt
+        # The coefficients in the order they are solved for: those held at zero by the
+        # last update last (see ``update``).
+        self._order = list(range(len(theta)))
         self._refill([])
 
     def reset(self, keep: int = 0) -> None:
@@ -111,45 +115,52 @@ class WindowFit:
     def update(self, x: list[float], y: float) -> float:
         """Learn one sample (``x . theta ~ y``); return the prior prediction's error."""
         err = y - self.predict(x)
-        n = len(x)
         rows = self._rows
+        row = [*x, y]
         if len(rows) == rows.maxlen:
-            self._add(rows[0], -1.0)
-        rows.append([*x, y])
-        self._add(rows[-1], 1.0)
+            self._replace(rows[0], row)
+        else:
+            self._add(row, 1.0)
+        rows.append(row)
         self._n += 1
         if self._n >= 4 * (rows.maxlen or 1):  # rebuild the sums: no rounding creep
             self._n = 0
             self._refill(list(rows))
-        a, b = self._a, self._b
         # Normal equations with the pull toward the current estimate. No coefficient may
         # be negative (more work, more sequences, never less time): one that comes out
         # negative is held at zero and the rest refitted, so that a few noisy samples
-        # (a profile on a busy host) cannot make a longer prompt project shorter.
-        prior, theta0 = self._prior, self.theta
+        # (a profile on a busy host) cannot make a longer prompt project shorter. The
+        # coefficients held at zero are usually the same from one sample to the next, so
+        # they are solved for last: the refit without them is then the leading part of
+        # the factors already computed, and costs a back substitution instead of a solve.
+        a, b, prior, theta0 = self._a, self._b, self._prior, self.theta
+        n = len(x)
         pull = [RIDGE * a[i][i] + prior[i] for i in range(n)]
-        free = list(range(n))
-        while free:
-            m = []
-            for i in free:
-                ai = a[i]
-                r = [ai[j] for j in free]
-                r[len(m)] += pull[i]
-                r.append(b[i] + pull[i] * theta0[i])
-                m.append(r)
-            solved = _solve(m)
-            if solved is None:
-                return err
+        rhs = [b[i] + pull[i] * theta0[i] for i in range(n)]
+        order = self._order
+        factors = _factor(a, rhs, pull, order)
+        k = n
+        while factors is not None:
+            solved = _back(*factors, k)
             if min(solved) >= 0.0:
                 theta = [0.0] * n
-                for i, v in zip(free, solved, strict=True):
+                for i, v in zip(order, solved, strict=False):
                     theta[i] = v
                 self.theta = theta
+                self._order = order
                 return err
-            free = [i for i, v in zip(free, solved, strict=True) if v > 0.0]
+            kept = [i for i, v in zip(order, solved, strict=False) if v > 0.0]
+            if not kept:
+                break
+            if kept != order[:len(kept)]:
+                order = kept + [i for i in order if i not in kept]
+                factors = _factor(a, rhs, pull, order[:len(kept)])
+            k = len(kept)
         return err
 
     def _add(self, row: list[float], sign: float) -> None:
+        """Add (``sign`` 1) or remove (-1) one sample's terms; ``_a`` is symmetric and
+        only its upper triangle (``j >= i``) is kept."""
         n = len(row) - 1
         y = row[n]
         a, b = self._a, self._b
@@ -158,39 +169,64 @@ class WindowFit:
             if ri:  # a feature at 0 (no decodes running) adds nothing to its row
                 b[i] += ri * y
                 ai = a[i]
-                for j in range(n):
+                for j in range(i, n):
                     ai[j] += ri * row[j]
 
+    def _replace(self, old: list[float], new: list[float]) -> None:
+        """The window's oldest sample out and a new one in, in one pass over the sums."""
+        n = len(new) - 1
+        yo, yn = old[n], new[n]
+        a, b = self._a, self._b
+        for i in range(n):
+            oi, ni = old[i], new[i]
+            if oi or ni:
+                b[i] += ni * yn - oi * yo
+                ai = a[i]
+                for j in range(i, n):
+                    ai[j] += ni * new[j] - oi * old[j]
 
-def _solve(m: list[list[float]]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting on an augmented n x (n+1) matrix.
-    (Written out plainly: it runs on every first token and every completion.)"""
-    n = len(m)
-    for c in range(n):
-        p, best = c, abs(m[c][c])
-        for r in range(c + 1, n):
-            v = abs(m[r][c])
-            if v > best:
-                p, best = r, v
-        if best < 1e-15:
+
+def _factor(a: list[list[float]], rhs: list[float], pull: list[float], idx: list[int]
+            ) -> tuple[list[list[float]], list[float]] | None:
+    """Cholesky factors of ``(A + diag(pull))`` restricted to the indices ``idx``, in that
+    order (``A`` given by its upper triangle), and the forward solution ``z`` of
+    ``L z = rhs``: ``L`` row by row, ``A = L L'``. The matrix is a sum of squares plus a
+    positive pull, so symmetric positive definite: no pivoting. Any leading part of the
+    result is the factors of the leading part of ``idx`` (what ``update`` reuses). None:
+    not positive definite (rounding on a degenerate window)."""
+    low: list[list[float]] = []
+    z: list[float] = []
+    for i, fi in enumerate(idx):
+        li = [0.0] * (i + 1)  # zeros past what is computed: they add nothing below
+        for j in range(i):
+            lj = low[j]
+            fj = idx[j]
+            s = a[fj][fi] if fj < fi else a[fi][fj]
+            for u, v in zip(li, lj, strict=False):
+                s -= u * v
+            li[j] = s / lj[j]
+        s = a[fi][fi] + pull[fi]
+        zi = rhs[fi]
+        for u, v in zip(li, z, strict=False):
+            s -= u * u
+            zi -= u * v
+        if s < 1e-300:
             return None
-        if p != c:
-            m[c], m[p] = m[p], m[c]
-        pivot = m[c]
-        d = pivot[c]
-        for r in range(c + 1, n):
-            row = m[r]
-            f = row[c] / d
-            if f:
-                for k in range(c, n + 1):
-                    row[k] -= f * pivot[k]
-    out = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        row = m[r]
-        acc = row[n]
-        for k in range(r + 1, n):
-            acc -= row[k] * out[k]
-        out[r] = acc / row[r]
+        d = sqrt(s)
+        li[i] = d
+        z.append(zi / d)
+        low.append(li)
+    return low, z
+
+
+def _back(low: list[list[float]], z: list[float], k: int) -> list[float]:
+    """Solve ``L' t = z`` on the leading ``k`` rows of the factors."""
+    out = [0.0] * k
+    for i in range(k - 1, -1, -1):
+        s = z[i]
+        for j in range(i + 1, k):
+            s -= low[j][i] * out[j]
+        out[i] = s / low[i][i]
     return out
 
 

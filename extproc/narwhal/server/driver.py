@@ -65,6 +65,14 @@ def in_thread(loop: Any) -> Offload:
     return offload
 
 
+def _nothing() -> None:
+    """A closed driver's timer callback."""
+
+
+def _discard(actions: list[Action]) -> None:
+    """A closed driver's ``send``: its stream is over."""
+
+
 class Alarm:
     """One timer kept on a wake-up time the core returned; re-armed only when it changes
     (checked after every step, so it must cost nothing when it does not)."""
@@ -203,6 +211,19 @@ class Driver:
                         log.exception("exchange record sink failed")
         self.runtime.sync_closes()
         self.runtime.drain()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Drop the references that make a closed request a cycle (this driver and its
+        timer's callback, its adapter's send, the exchange and its ticket's owner), so
+        that it is freed when its last holder lets go. Kept, each cycle waited for the
+        cyclic collector: ~40 objects a request, whose collections cost ~10 us a request
+        in process. What runs for a closed exchange later (a prompt measured after its
+        client left) sends nothing and arms nothing, as before."""
+        self.alarm.callback = _nothing
+        self.send = _discard
+        if self.ex.ticket is not None:
+            self.ex.ticket.owner = None
 
     def _sync_timer(self) -> None:
         self.alarm.set(self.ex.wake_at)
