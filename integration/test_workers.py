@@ -1,5 +1,5 @@
-"""serving.workers through a real Envoy: the admission, conservation and reliability suites
-unchanged with two workers, streams spread over the workers, and a worker that dies."""
+"""serving.workers through a real Envoy: the admission, conservation, reliability and soak
+suites unchanged with two workers, streams spread over the workers, and a worker that dies."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from .conftest import MODEL, _stack, client_for, status, unix_socket, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITES = ["integration/test_admission.py", "integration/test_conservation.py",
-          "integration/test_hardening.py", "integration/test_drain.py"]
+          "integration/test_hardening.py", "integration/test_drain.py",
+          "integration/test_soak.py"]
 MSGS = [{"role": "user", "content": "hi"}]
 
 

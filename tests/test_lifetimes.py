@@ -83,15 +83,18 @@ def phase(conn: GrpcConnection, sid: int) -> Phase | None:
 
 
 def run(scenario: Callable[[GrpcConnection, object, h2.connection.H2Connection], None]
-        ) -> list[object]:
-    async def go() -> list[object]:
-        conn, transport, client, _ = await setup(1)
+        ) -> tuple[list[object], dict[str, int]]:
+    """What the collector would free, and how the scenario's requests ended."""
+    async def go() -> tuple[list[object], dict[str, int]]:
+        conn, transport, client, router = await setup(1)
         with cycles() as found:
             scenario(conn, transport, client)
             await asyncio.sleep(0)  # the loop's deferred writes
             exchange_bytes(conn, transport, client)
             assert not conn.streams, "a stream is still open: the scenario did not end it"
-        return found
+        ended = {k: v for k, v in router.accounting.terminal.items() if v}
+        assert router.accounting.in_flight == 0
+        return found, ended
     return asyncio.run(go())
 
 
@@ -102,11 +105,11 @@ def test_whole_requests_are_freed_without_the_collector():
             for data in request_reads(client, 8, body):
                 conn.data_received(data)
             exchange_bytes(conn, transport, client)
-    assert run(scenario) == []
+    assert run(scenario) == ([], {"completed": 20})
 
 
 def test_streams_refusals_and_cancels_are_freed_without_the_collector():
-    streaming = orjson.dumps({"model": "m", "stream": True, "max_tokens": 8,
+    streaming = orjson.dumps({"model": "narwhal-sim", "stream": True, "max_tokens": 8,
                               "messages": [{"role": "user", "content": "hi"}]})
     events = [token_event("a", 1), token_event("b", 2, "length") + b"data: [DONE]\n\n"]
 
@@ -115,14 +118,15 @@ def test_streams_refusals_and_cancels_are_freed_without_the_collector():
         send(client, sid, *request(streaming), *response(events), end=True)
         exchange_bytes(conn, transport, client)
         sid = open_stream(client)  # refused at once: an immediate response
-        send(client, sid, *request(b'{"model": "m"'), end=True)
+        send(client, sid, *request(b'{"model": "narwhal-sim"'), end=True)
         exchange_bytes(conn, transport, client)
         sid = open_stream(client)  # the client leaves mid-answer: Envoy resets the stream
         send(client, sid, *request(streaming), *response(events[:1], end=False))
         exchange_bytes(conn, transport, client)
         client.reset_stream(sid)
         exchange_bytes(conn, transport, client)
-    assert run(scenario) == []
+    # the client's leaving is Envoy's to tell (its access log): cancelled until it does
+    assert run(scenario) == ([], {"completed": 1, "invalid_requests": 1, "cancelled": 1})
 
 
 def test_queued_requests_are_freed_without_the_collector():
@@ -145,4 +149,4 @@ def test_queued_requests_are_freed_without_the_collector():
                 if not reads[sid]:
                     del reads[sid]
                 exchange_bytes(conn, transport, client)
-    assert run(scenario) == []
+    assert run(scenario) == ([], {"completed": 7})

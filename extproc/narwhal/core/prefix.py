@@ -115,24 +115,17 @@ class ReplyText(TextPieces):
     with the rest of its response. ``event`` runs for every token event: direct lookups,
     a malformed event skipped."""
 
-    __slots__ = ("held", "event")
+    __slots__ = ("held", "chat")
 
     def __init__(self, chat: bool) -> None:
         super().__init__()
         self.held = 0
-        self.event = self._delta if chat else self._text
+        self.chat = chat
 
-    def _delta(self, event: dict[str, Any]) -> None:
+    def event(self, event: dict[str, Any]) -> None:
         try:
-            piece = event["choices"][0]["delta"]["content"]
-        except (KeyError, IndexError, TypeError):
-            return
-        if piece.__class__ is str and piece and self.size < REPLY_MAX_BYTES:
-            self.held += self.add(piece)
-
-    def _text(self, event: dict[str, Any]) -> None:
-        try:
-            piece = event["choices"][0]["text"]
+            choice = event["choices"][0]
+            piece = choice["delta"]["content"] if self.chat else choice["text"]
         except (KeyError, IndexError, TypeError):
             return
         if piece.__class__ is str and piece and self.size < REPLY_MAX_BYTES:

@@ -17,7 +17,13 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    GCCollector,
+    ProcessCollector,
+    generate_latest,
+)
 
 from .. import __version__
 from ..config import ConfigError, Telemetry
@@ -81,6 +87,10 @@ def admin_app(router: Router, token: str | None = None,
     """``workers``: the worker processes' state for /status (``serving.workers``)."""
     registry = CollectorRegistry()
     registry.register(RouterCollector(router))
+    # This process's own: CPU, resident memory (beside narwhal_held_bytes, what the
+    # budget counts), open files, and what the cyclic garbage collector found.
+    ProcessCollector(registry=registry)
+    GCCollector(registry=registry)
     if workers is not None:
         registry.register(WorkersCollector(workers))
 

@@ -31,7 +31,7 @@ from .grpc_health import (
     serving_status,
 )
 from .grpc_server import Call, GrpcConnection, Stream, StreamBudget
-from .loop import install_uvloop
+from .loop import install_uvloop, started
 from .telemetry import telemetry_loop
 
 if TYPE_CHECKING:
@@ -200,6 +200,7 @@ async def serve(config: Config, config_path: str | None = None) -> None:
     log.info("narwhal serving ext_proc (%s) on %s:%d, admin on %s:%d", config.serving.transport,
              config.serving.host, config.serving.extproc_port, config.telemetry.admin_host,
              config.telemetry.admin_port)
+    log.debug("start-up's %d objects frozen", started())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -151,12 +151,17 @@ class Link(asyncio.Protocol):
 class RemoteStream:
     """The ``Stream`` a scheduler-side call writes to: the worker holds the real one."""
 
-    __slots__ = ("port", "sid", "conn")
+    __slots__ = ("port", "sid")
 
     def __init__(self, port: WorkerPort, sid: int) -> None:
         self.port = port
         self.sid = sid
-        self.conn = self  # write_soon: the link writes once per loop turn anyway
+
+    @property
+    def conn(self) -> RemoteStream:
+        """Itself (``write_soon``: the link writes once per loop turn anyway); a property,
+        not an attribute, which would make each stream a cycle."""
+        return self
 
     def send(self, message: bytes) -> None:
         self.port.link.send((S_SEND, self.sid, message))
@@ -613,6 +618,7 @@ class Worker:
 
 async def run_worker(config: Config, index: int, fd: int) -> None:
     from .app import listen_grpc, start_tracer, stop_tracer
+    from .loop import started
 
     loop = asyncio.get_running_loop()
     gone = loop.create_future()
@@ -628,6 +634,7 @@ async def run_worker(config: Config, index: int, fd: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):  # the scheduler decides when workers stop
         loop.add_signal_handler(sig, lambda: None)
     tracer = start_tracer(config)  # the exchanges' records are made here
+    started()
     link.send((W_HELLO, os.getpid()))
     await gone  # the scheduler closed the link (it drained) or died
     await stop()
