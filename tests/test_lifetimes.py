@@ -5,7 +5,7 @@ ext_proc adapter, the driver, the exchange; an ``h2`` client in Envoy's place, t
 harness of ``bench.messages``). A request whose objects form a reference cycle (a call
 and its stream, a driver and its timer's callback or its adapter's send, an exchange and
 its ticket's owner) outlives its last use until the cyclic collector finds it: measured,
-~40 objects a request and ~10 us a request of collections in process. So each kind of
+~40 objects a request and 16-20 us a request of collections in process. So each kind of
 ending below must leave nothing of Narwhal's for the collector.
 """
 
