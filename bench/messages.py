@@ -2,7 +2,7 @@
 
     python -m bench.messages [--events N | --requests N [--engines P,Q | --prompt-bytes B,C
                                                         | --clients C [--wide-slots]]]
-                             [--reps R] [--opcodes | --by-message]
+                             [--reps R] [--opcodes | --by-message | --instructions]
 
 An ``h2`` client opens one ext_proc stream on a ``GrpcConnection`` (Narwhal's HTTP/2 and
 gRPC layers, the ext_proc adapter, the driver and the exchange, as served), takes a
@@ -15,6 +15,13 @@ placement, learning and assembly included). It prints the median over R runs. Ke
 costs are not in it, which is the point: it isolates what Narwhal's own Python costs per
 token event, for profiling (``python -m cProfile -m bench.messages``) and before/after
 comparisons of the hot path. ``make bench`` measures the whole data path.
+
+``--instructions`` counts the machine instructions the process executes per unit, under
+valgrind (``cachegrind``, ~50x slower): C code (protobuf, orjson, the interpreter) and the
+cyclic garbage collector included, and deterministic within ~0.1% where timings on this
+shared machine move by 5-10% between runs. The count is taken over N and 2N units in two
+runs and differenced, so start-up is left out. Like any count, not a time, but the one
+closest to CPU time that a noisy machine cannot move.
 
 ``--opcodes`` counts the bytecode instructions the interpreter executes per unit instead
 of timing it (``sys.settrace`` with opcode events, so ~50x slower), by module and
@@ -33,10 +40,14 @@ import asyncio
 import collections
 import contextlib
 import functools
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
@@ -205,7 +216,9 @@ def token_event(text: str, token: int, finish: str | None = None) -> bytes:
     return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
-async def run(events: int) -> float:
+async def run(events: int, fed: int | None = None) -> float:
+    """Seconds per token event; ``fed``: only that many of the events made are fed
+    (``--only``)."""
     conn, transport, client, _ = await setup()
     sid = open_stream(client)
     body = orjson.dumps({"model": "narwhal-sim", "stream": True, "max_tokens": 1_000_000,
@@ -224,6 +237,9 @@ async def run(events: int) -> float:
     for _ in range(events):  # the client's own cost stays out of the timing
         client.send_data(sid, message)
         reads.append(client.data_to_send())
+    if fed is not None:
+        _feed(conn, reads[:fed], False)
+        return 0.0
     elapsed = _feed(conn, reads)
     replies = sum(len(x) for x in transport.out)
     if replies < events * len(chunk):
@@ -295,6 +311,21 @@ async def run_requests(requests: int, warm: int = 0, engines: int = 1,
     return total / requests
 
 
+async def fed_requests(requests: int, fed: int, engines: int = 1, prompt_bytes: int = 0
+                       ) -> None:
+    """``--only``: the client's bytes of ``requests`` requests made first, then only ``fed``
+    of them fed, their replies never read (the windows are wide enough): two runs that
+    differ in ``fed`` alone differ in Narwhal's work alone."""
+    conn, transport, client, router = await setup(engines)
+    body = request_body(prompt_bytes)
+    reads = [request_reads(client, 8, body) for _ in range(requests)]
+    for request in reads[:fed]:
+        _feed(conn, request, False)
+        transport.out.clear()
+    if conn.streams or sum(e.dispatched for e in router.engines) != fed:
+        raise SystemExit("a request fed was not placed and answered")
+
+
 async def run_clients(requests: int, clients: int, wide: bool = False) -> float:
     """``clients`` non-streaming requests open at once, in a closed loop against one
     engine: past the default 4 prefill slots the rest queue, so this measures the queue
@@ -337,6 +368,23 @@ async def run_clients(requests: int, clients: int, wide: bool = False) -> float:
         if not moved:
             raise SystemExit("every client waits in the queue: nothing frees a slot")
     return total / requests
+
+
+def instructions(unit_args: list[str], n: int) -> float:
+    """Machine instructions per unit: this benchmark run under cachegrind twice, each
+    making the client's bytes of ``2 n`` units and feeding ``n`` or ``2 n`` of them
+    (``--only``), differenced: what is left is Narwhal's work on ``n`` units."""
+    counts = []
+    for k in (n, 2 * n):
+        run_ = subprocess.run(
+            ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+             sys.executable, "-m", "bench.messages", *unit_args, str(2 * n), "--only", str(k)],
+            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
+        found = re.search(r"I\s+refs:\s+([\d,]+)", run_.stderr)
+        if run_.returncode or found is None:
+            raise SystemExit(f"valgrind run failed: {run_.stderr[-2000:]}")
+        counts.append(int(found.group(1).replace(",", "")))
+    return (counts[1] - counts[0]) / n
 
 
 MESSAGES = ("request headers", "request body", "response headers",
@@ -405,6 +453,10 @@ def main() -> int:
     parser.add_argument("--by-message", action="store_true",
                         help="with --requests: each message's median time instead of the "
                              "request's")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count machine instructions per unit under valgrind instead of "
+                             "timing (C code and the garbage collector included)")
+    parser.add_argument("--only", type=int, default=0, help=argparse.SUPPRESS)  # valgrind's run
     args = parser.parse_args()
     if (args.by_message or args.clients) and not args.requests:
         parser.error("--by-message and --clients measure --requests")
@@ -419,6 +471,26 @@ def main() -> int:
     prompts = [int(x) for x in args.prompt_bytes.split(",")]
     if len(pools) > 1 and len(prompts) > 1:
         parser.error("vary --engines or --prompt-bytes, not both")
+    if args.only:  # one run under valgrind (``instructions``): n units made, --only fed
+        if args.requests:
+            asyncio.run(fed_requests(n, args.only, pools[0], prompts[0]))
+        else:
+            asyncio.run(run(n, args.only))
+        return 0
+    if args.instructions:
+        if args.clients or args.by_message or len(pools) > 1 or len(prompts) > 1:
+            parser.error("--instructions counts one case of --requests or --events")
+        if shutil.which("valgrind") is None:
+            parser.error("--instructions needs valgrind (Debian: apt-get install valgrind)")
+        unit_args = (["--engines", str(pools[0]), "--prompt-bytes", str(prompts[0]),
+                      "--requests"] if args.requests else ["--events"])
+        count = instructions(unit_args, n)
+        print(f"ext_proc server path, in process, under valgrind: {count:,.0f} machine "
+              f"instructions per {unit} (runs of {n} and {2 * n}, differenced)")
+        print(f"reproduce: python -m bench.messages {flag} {n}"
+              f"{f' --engines {pools[0]} --prompt-bytes {prompts[0]}' if args.requests else ''}"
+              " --instructions")
+        return 0
     slots = "wide slots" if args.wide_slots else "default slots"
     again = (f"python -m bench.messages --requests {n} --clients {args.clients}"
              f"{' --wide-slots' if args.wide_slots else ''}")

@@ -74,7 +74,7 @@ class WindowFit:
     __slots__ = ("theta", "_rows", "_a", "_b", "_n", "_prior", "_order")
 
     def __init__(self, theta: list[float], variance: list[float], window: int) -> None:
-        self.theta = list(theta)
+        self.theta = [float(t) for t in theta]
         # a fixed pull too, the prior's (1 / its variance), which only matters while there
         # are few samples: an exact fit of five probes extrapolated to the first loaded
         # requests projected them at nothing
@@ -137,17 +137,26 @@ class WindowFit:
         n = len(x)
         pull = [RIDGE * a[i][i] + prior[i] for i in range(n)]
         rhs = [b[i] + pull[i] * theta0[i] for i in range(n)]
-        order = self._order
+        # A feature that was 0 in every sample of the window (an idle engine's decodes and
+        # steps) has an equation of its own, ``pull t = pull theta0``: its coefficient
+        # stays where it was, and the solve is over the rest.
+        theta = [0.0] * n
+        order, still = [], []
+        for i in self._order:
+            if a[i][i]:
+                order.append(i)
+            else:
+                still.append(i)
+                theta[i] = theta0[i]
         factors = _factor(a, rhs, pull, order)
-        k = n
+        k = len(order)
         while factors is not None:
             solved = _back(*factors, k)
-            if min(solved) >= 0.0:
-                theta = [0.0] * n
+            if not solved or min(solved) >= 0.0:
                 for i, v in zip(order, solved, strict=False):
                     theta[i] = v
                 self.theta = theta
-                self._order = order
+                self._order = order + still
                 return err
             kept = [i for i, v in zip(order, solved, strict=False) if v > 0.0]
             if not kept:
