@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
@@ -40,6 +41,7 @@ INTERNAL = 13
 
 RESPONSE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 MAX_MESSAGE = 4 * 1024 * 1024  # gRPC's own default receive limit
+_MESSAGE_HEAD = struct.Struct(">BI").pack  # a message's prefix: compressed flag, length
 OUT_HIGH = 1024 * 1024  # a stream's held-back output above which its input waits
 WRITE_HIGH = 4 * 1024 * 1024  # the socket's send buffer above which nothing more is read
 # After a GOAWAY for the peer's error, how long its remaining input is read and dropped
@@ -94,7 +96,7 @@ class Stream:
         if not self.headers_sent:
             self.conn.http2.send_headers(self.id, RESPONSE_HEADERS)
             self.headers_sent = True
-        frame = b"\x00" + len(message).to_bytes(4, "big") + message
+        frame = _MESSAGE_HEAD(0, len(message)) + message  # uncompressed, its length
         if not self.pending:
             sent = self.conn.http2.send_data(self.id, frame)
             if sent == len(frame):

@@ -18,6 +18,7 @@ not being read) is bounded by the connection window.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import hpack
@@ -29,6 +30,9 @@ DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDO
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR = 0, 1, 2, 3, 6
 REFUSED_STREAM, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 7, 9, 11
+# A frame's 9-byte header in one call: length (24 bits) and type as one word, flags, the
+# stream identifier with its reserved bit.
+_FRAME_HEAD = struct.Struct(">IBI")
 MAX_WINDOW = 2**31 - 1
 DEFAULT_WINDOW = 65535
 DEFAULT_FRAME = 16384
@@ -242,8 +246,8 @@ class ServerConnection:
             return 0
         size = self.peer_max_frame
         out = self.out
-        if n <= size:
-            out.append(n.to_bytes(3, "big") + b"\x00\x00" + stream_id.to_bytes(4, "big")
+        if n <= size:  # DATA (type 0), no flags
+            out.append(_FRAME_HEAD.pack(n << 8, 0, stream_id)
                        + (data if n == len(data) else data[:n]))
         else:
             for i in range(0, n, size):
@@ -295,15 +299,16 @@ class ServerConnection:
             pos = 24
         events: list[Event] = []
         end = len(buf)
+        head = _FRAME_HEAD.unpack_from
         while end - pos >= 9:
-            length = int.from_bytes(buf[pos:pos + 3], "big")
+            length_kind, flags, sid = head(buf, pos)
+            length = length_kind >> 8
             if length > DEFAULT_FRAME:
                 raise ConnectionError_(FRAME_SIZE_ERROR, "frame exceeds SETTINGS_MAX_FRAME_SIZE")
             if end - pos - 9 < length:
                 break
-            kind = buf[pos + 3]
-            flags = buf[pos + 4]
-            sid = int.from_bytes(buf[pos + 5:pos + 9], "big") & 0x7FFFFFFF
+            kind = length_kind & 0xFF
+            sid &= 0x7FFFFFFF
             payload = buf[pos + 9:pos + 9 + length]
             pos += 9 + length
             if self.header_block is not None and kind != CONTINUATION:
