@@ -10,12 +10,12 @@ from narwhal.core.tokens import TokenIdError, count_token_ids
 @pytest.mark.parametrize("ids", [None, "1,2", [True], [1, False], [-1], [1.0], ["1"], {"a": 1}])
 def test_invalid_id_lists(ids):
     with pytest.raises(TokenIdError):
-        count_token_ids({"token_ids": ids})
+        count_token_ids(ids)
 
 
 def test_valid_ids_counted():
-    assert count_token_ids({"token_ids": [0, 5, 7]}) == 3
-    assert count_token_ids({"token_ids": []}) == 0
+    assert count_token_ids([0, 5, 7]) == 3
+    assert count_token_ids([]) == 0
 
 
 def delta_event(delta, **kw):

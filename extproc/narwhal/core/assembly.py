@@ -121,6 +121,10 @@ class Assembler:
         self.chat = chat
         self.expose_ids = expose_ids
         self.meta: dict[str, Any] = {}
+        # The top-level keys an event may carry with nothing new to keep: those rebuilt
+        # and those kept already. An event of only these (every event after the first,
+        # as engines send them) skips the walk of its fields, with a C-level subset test.
+        self.settled = REBUILT
         self.choices: dict[int, _Choice] = {}
         self.prompt_token_ids: orjson.Fragment | None = None
         self.prompt_ids_seen = False
@@ -130,12 +134,14 @@ class Assembler:
 
     # -- feeding ---------------------------------------------------------------
     def feed(self, event: dict[str, Any]) -> None:
-        meta = self.meta
-        for key, value in event.items():
-            if key not in REBUILT and key not in meta and value is not None:
-                if len(meta) >= MAX_METADATA:
-                    raise _unsupported(f"more than {MAX_METADATA} top-level fields")
-                meta[key] = self._keep(jsontext.held, value)
+        if not event.keys() <= self.settled:
+            meta = self.meta
+            for key, value in event.items():
+                if key not in REBUILT and key not in meta and value is not None:
+                    if len(meta) >= MAX_METADATA:
+                        raise _unsupported(f"more than {MAX_METADATA} top-level fields")
+                    meta[key] = self._keep(jsontext.held, value)
+            self.settled = REBUILT.union(meta)
         ptids = event.get("prompt_token_ids")
         if ptids is not None and not self.prompt_ids_seen:
             if ptids.__class__ is not list:

@@ -94,16 +94,21 @@ class Meter:
         if usage is not None:
             self.usage = _usage(usage)
         if self.prompt_token_ids is None:
-            self._prompt_ids(event.get("prompt_token_ids"))
+            ids = event.get("prompt_token_ids")
+            if ids.__class__ is list:
+                self.prompt_token_ids = len(ids)
         tokens = 0
         for choice in choices:
             if choice.__class__ is not dict:
                 raise EngineOutputError("engine choice is not an object")
             if self.prompt_token_ids is None and not self.chat:
-                self._prompt_ids(choice.get("prompt_token_ids"))  # completions: per choice
+                ids = choice.get("prompt_token_ids")  # completions: per choice
+                if ids.__class__ is list:
+                    self.prompt_token_ids = len(ids)
             if self.token_ids:
-                if choice.get("token_ids") is not None:
-                    tokens += count_token_ids(choice)
+                ids = choice.get("token_ids")
+                if ids is not None:
+                    tokens += count_token_ids(ids)
                 elif carries_generation(choice, self.chat):
                     raise TokenIdError("engine event carries generated output without token_ids")
             elif carries_generation(choice, self.chat):
@@ -113,10 +118,6 @@ class Meter:
             self.counted += tokens
         self.events += 1
         return tokens
-
-    def _prompt_ids(self, ids: Any) -> None:
-        if ids.__class__ is list:
-            self.prompt_token_ids = len(ids)
 
 
 __all__ = ["EngineErrorEvent", "EngineOutputError", "Meter", "TokenIdError"]

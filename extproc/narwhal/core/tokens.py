@@ -41,8 +41,8 @@ def carries_generation(choice: dict[str, Any], chat: bool) -> bool:
     return False
 
 
-def count_token_ids(choice: dict[str, Any]) -> int:
-    ids = choice.get("token_ids")
+def count_token_ids(ids: Any) -> int:
+    """A choice's ``token_ids``, validated: how many output tokens it names."""
     if ids is None:
         raise TokenIdError("engine event carries generated output without token_ids")
     if not isinstance(ids, list):
