@@ -37,17 +37,21 @@ from narwhal.server.grpc_server import GrpcConnection
 
 @contextlib.contextmanager
 def cycles() -> Iterator[list[object]]:
-    """Narwhal's objects that only the cyclic collector would free, found at the end of
-    the block (the collector is off inside it; what it finds is kept, then released)."""
+    """Narwhal's objects made in the block that only the cyclic collector would free,
+    found at its end (the collector is off inside it; what it finds is kept, then
+    released). Everything alive before the block is held meanwhile: an earlier test's
+    cycle that its last holder lets go of during the block is none of the block's."""
     found: list[object] = []
     gc.collect()
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)
+    before = gc.get_objects()
     try:
         yield found
         gc.collect()
         found.extend(o for o in gc.garbage if type(o).__module__.startswith("narwhal."))
     finally:
+        del before
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()

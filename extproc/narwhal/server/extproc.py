@@ -109,8 +109,7 @@ def _varint_slow(n: int) -> bytes:
     return bytes(out)
 
 
-# Lengths under 16 KiB (every token event, most replies) are a table lookup: encoding a
-# streamed body reply takes five of them per token event.
+# Lengths under 16 KiB (most replies) are a table lookup.
 _VARINTS = tuple(_varint_slow(n) for n in range(1 << 14))
 
 
@@ -134,6 +133,24 @@ def _header_option(key: str, value: str) -> bytes:
     return _field(b"\x0a", _field(b"\x0a", header) + b"\x18\x02")
 
 
+@functools.lru_cache(maxsize=4096)  # a stream's events run to a few hundred sizes
+def _streamed_body_frame(n: int, response: bool, end: bool) -> tuple[bytes, bytes]:
+    """The bytes of a streamed body reply before and after its ``n`` bytes of data:
+    ProcessingResponse.response_body=4 (request_body=3) > BodyResponse.response=1 >
+    CommonResponse.body_mutation=3 > BodyMutation.streamed_response=3 >
+    StreamedBodyResponse{body=1 (omitted when empty, as proto3 does), end_of_stream=2}.
+    The lengths nest inside out, so they depend on ``n`` alone: a token event's reply is
+    one cached lookup and a concatenation (it runs for every token event)."""
+    head = b"\x0a" + _varint(n) if n else b""
+    tail = b"\x10\x01" if end else b""
+    l1 = len(head) + n + len(tail)
+    l2 = 1 + len(_varint(l1)) + l1
+    l3 = 1 + len(_varint(l2)) + l2
+    l4 = 1 + len(_varint(l3)) + l3
+    return b"".join((b"\x22" if response else b"\x1a", _varint(l4), b"\x0a", _varint(l3),
+                     b"\x1a", _varint(l2), b"\x1a", _varint(l1), head)), tail
+
+
 def encode(action: Action) -> bytes:
     """Serialized ProcessingResponse. Body chunks (one per token on a stream) and header
     replies (several per request) are written straight in protobuf wire format — the
@@ -150,26 +167,9 @@ def encode(action: Action) -> bytes:
             out += _field(b"\x42", _lb_metadata_bytes(action.destination))  # dynamic_metadata=8
         return out
     if action.__class__ is Body:
-        # ProcessingResponse.response_body=4 (request_body=3) > BodyResponse.response=1 >
-        # CommonResponse.body_mutation=3 > BodyMutation.streamed_response=3 >
-        # StreamedBodyResponse{body=1 (omitted when empty, as proto3 does),
-        # end_of_stream=2}. The lengths are computed inside out and the bytes joined once:
-        # this runs for every token event.
         data = action.data
-        n = len(data)
-        v = _VARINTS
-        head = (b"\x0a" + (v[n] if n < 16384 else _varint_slow(n))) if n else b""
-        tail = b"\x10\x01" if action.end_of_stream else b""
-        l1 = len(head) + n + len(tail)
-        if l1 < 16000:
-            l2 = 1 + len(v[l1]) + l1
-            l3 = 1 + len(v[l2]) + l2
-            l4 = 1 + len(v[l3]) + l3
-            return b"".join(((b"\x22" if action.response else b"\x1a"), v[l4], b"\x0a",
-                             v[l3], b"\x1a", v[l2], b"\x1a", v[l1], head, data, tail))
-        streamed = head + data + tail
-        body = _field(b"\x0a", _field(b"\x1a", _field(b"\x1a", streamed)))
-        return _field(b"\x22" if action.response else b"\x1a", body)
+        prefix, tail = _streamed_body_frame(len(data), action.response, action.end_of_stream)
+        return prefix + data + tail if tail else prefix + data
     return to_proto(action).SerializeToString()
 
 
