@@ -18,10 +18,11 @@ comparisons of the hot path. ``make bench`` measures the whole data path.
 
 ``--instructions`` counts the machine instructions the process executes per unit, under
 valgrind (``cachegrind``, ~50x slower): C code (protobuf, orjson, the interpreter) and the
-cyclic garbage collector included, and deterministic within ~0.1% where timings on this
-shared machine move by 5-10% between runs. The count is taken over N and 2N units in two
-runs and differenced, so start-up is left out. Like any count, not a time, but the one
-closest to CPU time that a noisy machine cannot move.
+cyclic garbage collector included, and repeatable within ~1.5% (the models learn from a
+clock valgrind slows) where timings on this shared machine move by 5-10% between runs.
+Both runs make the client's bytes of 2N units and feed N or 2N of them; their counts are
+differenced, so start-up and the client's own work are left out. Like any count, not a
+time, but the one closest to CPU time that a noisy machine cannot move.
 
 ``--opcodes`` counts the bytecode instructions the interpreter executes per unit instead
 of timing it (``sys.settrace`` with opcode events, so ~50x slower), by module and

@@ -93,7 +93,6 @@ def run(scenario: Callable[[GrpcConnection, object, h2.connection.H2Connection],
         conn, transport, client, router = await setup(1)
         with cycles() as found:
             scenario(conn, transport, client)
-            await asyncio.sleep(0)  # the loop's deferred writes
             exchange_bytes(conn, transport, client)
             assert not conn.streams, "a stream is still open: the scenario did not end it"
         ended = {k: v for k, v in router.accounting.terminal.items() if v}

@@ -94,17 +94,13 @@ class Meter:
         if usage is not None:
             self.usage = _usage(usage)
         if self.prompt_token_ids is None:
-            ids = event.get("prompt_token_ids")
-            if ids.__class__ is list:
-                self.prompt_token_ids = len(ids)
+            self._prompt_ids(event.get("prompt_token_ids"))
         tokens = 0
         for choice in choices:
             if choice.__class__ is not dict:
                 raise EngineOutputError("engine choice is not an object")
             if self.prompt_token_ids is None and not self.chat:
-                ids = choice.get("prompt_token_ids")  # completions: per choice
-                if ids.__class__ is list:
-                    self.prompt_token_ids = len(ids)
+                self._prompt_ids(choice.get("prompt_token_ids"))  # completions: per choice
             if self.token_ids:
                 ids = choice.get("token_ids")
                 if ids is not None:
@@ -118,6 +114,10 @@ class Meter:
             self.counted += tokens
         self.events += 1
         return tokens
+
+    def _prompt_ids(self, ids: Any) -> None:
+        if ids.__class__ is list:
+            self.prompt_token_ids = len(ids)
 
 
 __all__ = ["EngineErrorEvent", "EngineOutputError", "Meter", "TokenIdError"]

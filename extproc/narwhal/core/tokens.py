@@ -42,9 +42,7 @@ def carries_generation(choice: dict[str, Any], chat: bool) -> bool:
 
 
 def count_token_ids(ids: Any) -> int:
-    """A choice's ``token_ids``, validated: how many output tokens it names."""
-    if ids is None:
-        raise TokenIdError("engine event carries generated output without token_ids")
+    """A choice's ``token_ids`` (present), validated: how many output tokens it names."""
     if not isinstance(ids, list):
         raise TokenIdError("engine event has a malformed token_ids list")
     for tid in ids:

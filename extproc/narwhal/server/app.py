@@ -202,7 +202,6 @@ async def serve(config: Config, config_path: str | None = None) -> None:
              config.telemetry.admin_port)
     log.debug("start-up's %d objects frozen", started())
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()

@@ -79,8 +79,7 @@ Event = RequestReceived | DataReceived | StreamReset | WindowUpdated | Connectio
 
 
 def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    return (len(payload).to_bytes(3, "big") + bytes((kind, flags))
-            + stream_id.to_bytes(4, "big") + payload)
+    return _FRAME_HEAD.pack(len(payload) << 8 | kind, flags, stream_id) + payload
 
 
 class _CountingTable(HeaderTable):
@@ -246,8 +245,8 @@ class ServerConnection:
             return 0
         size = self.peer_max_frame
         out = self.out
-        if n <= size:  # DATA (type 0), no flags
-            out.append(_FRAME_HEAD.pack(n << 8, 0, stream_id)
+        if n <= size:  # ``_frame(DATA, 0, ...)`` written out: it runs for every token event
+            out.append(_FRAME_HEAD.pack(n << 8 | DATA, 0, stream_id)
                        + (data if n == len(data) else data[:n]))
         else:
             for i in range(0, n, size):
