@@ -12,6 +12,7 @@ import socket
 
 from ..config import Discovery, EngineConfig
 from ..core.router import Router
+from .loop import joined
 
 log = logging.getLogger("narwhal.discovery")
 
@@ -37,6 +38,8 @@ async def discover_once(router: Router, d: Discovery) -> None:
                     len(router.engines))
         return
     added, retired = router.pool.reconcile(engine_configs(d, addresses))
+    if added:
+        joined()
     if added or retired:
         log.info("discovery %s: added %s, retired %s", d.name, added, retired)
         router.changed()

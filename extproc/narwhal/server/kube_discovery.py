@@ -27,6 +27,7 @@ from lightkube.resources.discovery_v1 import EndpointSlice
 from ..config import Discovery, EngineConfig
 from ..core.router import Router
 from .kube import client
+from .loop import joined
 
 log = logging.getLogger("narwhal.discovery")
 SERVICE_LABEL = "kubernetes.io/service-name"
@@ -95,6 +96,8 @@ class KubernetesDiscovery:
         for engines in self.objects.values():
             wanted.update(engines)
         added, retired = self.router.pool.reconcile(wanted)
+        if added:
+            joined()
         if added or retired:
             log.info("discovery %s/%s: added %s, retired %s", self.d.namespace, self.d.name,
                      added, retired)
