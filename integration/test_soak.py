@@ -29,10 +29,12 @@ def soak_stack():
 
 
 def collected(stack) -> float:
-    """Objects the router process's cyclic garbage collector has freed so far."""
+    """Objects the router's cyclic garbage collectors have freed so far: its process's,
+    and with ``serving.workers`` each worker's (asked for when /metrics is read)."""
     text = httpx.get(f"{stack.admin_url}/metrics", timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("python_gc_objects_collected_total{"))
+               if line.startswith(("python_gc_objects_collected_total{",
+                                   "narwhal_worker_gc_objects_collected_total{")))
 
 
 def rss(stack) -> int:

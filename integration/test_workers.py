@@ -69,6 +69,46 @@ def test_streams_are_spread_over_the_workers_and_handed_off(two_workers):
     assert st["engines"][0]["in_flight"] == 0 and st["requests"]["held"] == 0
 
 
+def worker_series(stack) -> dict[tuple[str, str], float]:
+    """The per-worker series on the scheduler's /metrics: (name, worker) -> value."""
+    out = {}
+    for line in httpx.get(f"{stack.admin_url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("narwhal_worker_") and "{" in line:
+            name, rest = line.split("{", 1)
+            worker = rest.split('worker="', 1)[1].split('"', 1)[0]
+            out[(name, worker)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def vm_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_each_workers_own_cpu_memory_and_collector_are_on_the_schedulers_metrics(two_workers):
+    """The scheduler's /metrics carries its own process series; each worker's are read
+    from /proc by its pid, and its collector's totals asked for when /metrics is read."""
+    before = worker_series(two_workers)
+    client = client_for(two_workers)
+    for _ in range(12):
+        resp = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=3)
+        assert resp.usage.completion_tokens == 3
+    settled(two_workers)
+    after = worker_series(two_workers)
+    pids = {str(w["index"]): w["pid"] for w in status(two_workers)["workers"]}
+    for w in ("0", "1"):
+        assert after[("narwhal_worker_cpu_seconds_total", w)] > before[
+            ("narwhal_worker_cpu_seconds_total", w)]  # both served some of the 12
+        rss = after[("narwhal_worker_resident_memory_bytes", w)]
+        assert 0.8 * vm_rss(pids[w]) < rss < 1.25 * vm_rss(pids[w])
+        # requests are freed by reference counting (start-up's garbage was collected
+        # before serving: it is in the total, not in what serving adds)
+        gc = "narwhal_worker_gc_objects_collected_total"
+        assert after[(gc, w)] > 0 and after[(gc, w)] - before[(gc, w)] < 50, (
+            after[(gc, w)], before[(gc, w)])
+        assert after[("narwhal_worker_gc_objects_uncollectable_total", w)] == 0
+
+
 def test_the_schedulers_step_model_times_the_steps_the_workers_relay(two_workers):
     """The engine's steps are timed in the scheduler process, as in one: each worker
     reports the tokens that follow a pause (every step's first, one frame a step), and

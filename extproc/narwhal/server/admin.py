@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +83,11 @@ def _guard(token: str | None):
 
 
 def admin_app(router: Router, token: str | None = None,
-              workers: Callable[[], list[dict[str, Any]]] | None = None) -> web.Application:
-    """``workers``: the worker processes' state for /status (``serving.workers``)."""
+              workers: Callable[[], list[dict[str, Any]]] | None = None,
+              refresh: Callable[[], Awaitable[None]] | None = None) -> web.Application:
+    """``workers``: the worker processes' state for /status and /metrics
+    (``serving.workers``); ``refresh``, awaited before either answers: their figures
+    that only they can tell (their collectors' totals), asked for fresh."""
     registry = CollectorRegistry()
     registry.register(RouterCollector(router))
     # This process's own: CPU, resident memory (beside narwhal_held_bytes, what the
@@ -106,10 +109,14 @@ def admin_app(router: Router, token: str | None = None,
         return _json({"live": False, "reason": "telemetry loop stalled"}, status=503)
 
     async def metrics(request: web.Request) -> web.Response:
+        if refresh is not None:
+            await refresh()
         return web.Response(body=generate_latest(registry),
                             headers={"content-type": CONTENT_TYPE_LATEST})
 
     async def status(request: web.Request) -> web.Response:
+        if refresh is not None:
+            await refresh()
         acct = router.accounting
         now = router.clock()
         stale = router.pool.stale_after_s

@@ -169,8 +169,8 @@ async def serve(config: Config, config_path: str | None = None) -> None:
 
         workers = Workers(runtime, config_path)
         await workers.start()  # every worker listening before /ready can say yes
-    runner = web.AppRunner(admin_app(router, token, workers and workers.status),
-                           access_log=None)
+    runner = web.AppRunner(admin_app(router, token, workers and workers.status,
+                                     workers and workers.refresh_stats), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.telemetry.admin_host, config.telemetry.admin_port)
     await site.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,6 +12,12 @@ from prometheus_client.registry import Collector
 
 from ..core.engines import EngineState
 from ..core.router import Router
+
+try:  # what /proc counts in: clock ticks and pages
+    _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+    _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+    _CLOCK_TICKS, _PAGE_SIZE = 100, 4096
 
 # Per-engine series, in exposition order: (family, name, help, the engine's value at
 # ``now``; None where the engine has none, e.g. KV-event series without ``kv_events``).
@@ -136,7 +143,37 @@ WORKER_SERIES = (
      lambda w: w["streams"]),
     (CounterMetricFamily, "narwhal_worker_handoffs", "Exchanges the worker took over",
      lambda w: w["handoffs"]),
+    (CounterMetricFamily, "narwhal_worker_cpu_seconds",
+     "The worker process's user and system CPU time", lambda w: w["cpu_seconds"]),
+    (GaugeMetricFamily, "narwhal_worker_resident_memory_bytes",
+     "The worker process's resident memory", lambda w: w["rss_bytes"]),
+    (CounterMetricFamily, "narwhal_worker_gc_objects_collected",
+     "Objects the worker's cyclic garbage collector freed (flat while serving: a rise is "
+     "a leak's sign)", lambda w: w["gc_collected"]),
+    (CounterMetricFamily, "narwhal_worker_gc_objects_uncollectable",
+     "Objects the worker's cyclic garbage collector could not free",
+     lambda w: w["gc_uncollectable"]),
 )
+
+
+def process_usage(pid: int) -> tuple[float, int]:
+    """A process's CPU seconds (user + system) and resident bytes, from ``/proc`` (what
+    ``prometheus_client``'s ProcessCollector reads for its own process); zeros where it
+    cannot be read (gone, or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0
+    # after the command's closing parenthesis: state is field 3, utime 14, stime 15
+    fields = stat[stat.rfind(b")") + 2:].split()
+    try:
+        ticks = int(fields[11]) + int(fields[12])
+    except (ValueError, IndexError):
+        return 0.0, 0
+    return ticks / _CLOCK_TICKS, pages * _PAGE_SIZE
 
 
 class WorkersCollector(Collector):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import os
 import signal
@@ -60,19 +61,23 @@ from .driver import Driver, Runtime
 from .extproc import PROCESS_PATH, ExtProcCall, _dispatch, send_actions
 from .grpc_health import CHECK_PATH, WATCH_PATH, HealthRegistry, serving_status
 from .grpc_server import INVALID_ARGUMENT, OK, GrpcConnection, Stream
+from .metrics import process_usage
 
 log = logging.getLogger("narwhal.workers")
 
 # Worker -> scheduler frames: [kind, stream id, ...]. A stream's first message is W_OPEN:
 # a W_MSG for a stream the scheduler does not hold (it ended it meanwhile) is dropped.
+# W_STATS: [kind, objects its cyclic collector freed, found uncollectable], asked by S_STATS.
 (W_HELLO, W_OPEN, W_MSG, W_CLOSE, W_SERVED, W_FIRST, W_RELEASE, W_COUNT, W_CLOSED,
- W_VERDICT, W_TOKEN) = range(11)
+ W_VERDICT, W_TOKEN, W_STATS) = range(12)
 # Scheduler -> worker frames. S_ACTIVE: [kind, engine name, endpoint, time of a token
 # from it], so that each worker knows the engine answers requests on other workers too.
-S_SEND, S_FINISH, S_HANDOFF, S_READY, S_ACTIVE = range(5)
+# S_STATS: [kind], when /metrics or /status is read (W_STATS answers).
+S_SEND, S_FINISH, S_HANDOFF, S_READY, S_ACTIVE, S_STATS = range(6)
 MAX_FRAME = 64 * 1024 * 1024  # an ext_proc message is at most serving.max_message_bytes
 LINK_HIGH = 4 * 1024 * 1024  # a link's unsent bytes above which its feeders stop reading
 HELLO_TIMEOUT_S = 60.0
+STATS_TIMEOUT_S = 1.0  # a worker's W_STATS later than this leaves its last figures shown
 RESTART_DELAY_S = 1.0
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder().decode
@@ -216,6 +221,9 @@ class WorkerPort:
         self.pid = 0
         self.streams = 0  # ext_proc streams it forwarded
         self.handoffs = 0  # exchanges it took over
+        # Its cyclic collector's totals, as its last W_STATS said, and the answer awaited.
+        self.gc_collected = self.gc_uncollectable = 0
+        self.stats: asyncio.Future[None] | None = None
         # Told of each token frame's engine and time (``Workers.active``), if set.
         self.on_token: Callable[[EngineState, float], None] | None = None
 
@@ -232,6 +240,11 @@ class WorkerPort:
             return
         if kind == W_VERDICT:
             self.runtime.router.closes.logged(f[1], f[2])
+            return
+        if kind == W_STATS:
+            self.gc_collected, self.gc_uncollectable = f[1], f[2]
+            if self.stats is not None and not self.stats.done():
+                self.stats.set_result(None)
             return
         if kind == W_HELLO:
             self.pid = f[1]
@@ -272,6 +285,17 @@ class WorkerPort:
     def finished(self, sid: int, status: int, message: str) -> None:
         if self.calls.pop(sid, None) is not None:
             self.link.send((S_FINISH, sid, status, message))
+
+    async def refresh_stats(self) -> None:
+        """Ask the worker for its collector's totals and wait for them (at most
+        ``STATS_TIMEOUT_S``: a busy or dying worker leaves its last figures)."""
+        if self.link.transport is None:
+            return
+        if self.stats is None or self.stats.done():
+            self.stats = asyncio.get_running_loop().create_future()
+            self.link.send((S_STATS,))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.stats), STATS_TIMEOUT_S)
 
     def push_ready(self, reason: str | None) -> None:
         if reason != self.ready:
@@ -378,12 +402,24 @@ class Workers:
                 port.push_ready(reason)
 
     def status(self) -> list[dict[str, Any]]:
-        """Per worker, for /status: up (its link open), pid, streams it forwarded,
-        exchanges it took over, streams open, restarts."""
-        return [{"index": i, "up": p is not None and p.link.transport is not None,
-                 "pid": p.pid if p else 0, "streams": p.streams if p else 0,
-                 "handoffs": p.handoffs if p else 0, "open": len(p.calls) if p else 0,
-                 "restarts": self.restarts[i]} for i, p in enumerate(self.ports)]
+        """Per worker, for /status and /metrics: up (its link open), pid, streams it
+        forwarded, exchanges it took over, streams open, restarts; its process's CPU
+        seconds and resident bytes (``/proc``), and its cyclic collector's totals as it
+        last told them (``refresh_stats``)."""
+        rows = []
+        for i, p in enumerate(self.ports):
+            cpu, rss = process_usage(p.pid) if p is not None and p.pid else (0.0, 0)
+            rows.append({"index": i, "up": p is not None and p.link.transport is not None,
+                         "pid": p.pid if p else 0, "streams": p.streams if p else 0,
+                         "handoffs": p.handoffs if p else 0, "open": len(p.calls) if p else 0,
+                         "restarts": self.restarts[i], "cpu_seconds": cpu, "rss_bytes": rss,
+                         "gc_collected": p.gc_collected if p else 0,
+                         "gc_uncollectable": p.gc_uncollectable if p else 0})
+        return rows
+
+    async def refresh_stats(self) -> None:
+        """Every worker's collector totals, fresh (before /metrics or /status answers)."""
+        await asyncio.gather(*(p.refresh_stats() for p in self.ports if p is not None))
 
     async def stop(self) -> None:
         self.stopping = True
@@ -591,6 +627,11 @@ class Worker:
         if kind == S_READY:
             self.ready = f[1]
             self.health.refresh()
+            return
+        if kind == S_STATS:
+            totals = gc.get_stats()
+            self.link.send((W_STATS, sum(g["collected"] for g in totals),
+                            sum(g["uncollectable"] for g in totals)))
             return
         if kind == S_ACTIVE:  # another worker's stream got a token from the engine
             m = self.engine_for(f[1], f[2]).model
