@@ -37,11 +37,18 @@ async def discover_once(router: Router, d: Discovery) -> None:
         log.warning("cannot resolve %s: %s; keeping %d engine(s)", d.name, exc,
                     len(router.engines))
         return
-    added, retired = router.pool.reconcile(engine_configs(d, addresses))
+    reconcile(router, engine_configs(d, addresses), d.name)
+
+
+def reconcile(router: Router, wanted: dict[str, EngineConfig], source: str) -> None:
+    """The pool becomes ``wanted`` (what DNS or the Kubernetes API says, by endpoint):
+    engines that joined are frozen out of the cyclic collector's sight (``loop.joined``),
+    and the router is told, so that queued work can move."""
+    added, retired = router.pool.reconcile(wanted)
     if added:
         joined()
     if added or retired:
-        log.info("discovery %s: added %s, retired %s", d.name, added, retired)
+        log.info("discovery %s: added %s, retired %s", source, added, retired)
         router.changed()
 
 

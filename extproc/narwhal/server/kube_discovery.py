@@ -26,8 +26,8 @@ from lightkube.resources.discovery_v1 import EndpointSlice
 
 from ..config import Discovery, EngineConfig
 from ..core.router import Router
+from .discovery import reconcile
 from .kube import client
-from .loop import joined
 
 log = logging.getLogger("narwhal.discovery")
 SERVICE_LABEL = "kubernetes.io/service-name"
@@ -95,13 +95,7 @@ class KubernetesDiscovery:
         wanted: dict[str, EngineConfig] = {}
         for engines in self.objects.values():
             wanted.update(engines)
-        added, retired = self.router.pool.reconcile(wanted)
-        if added:
-            joined()
-        if added or retired:
-            log.info("discovery %s/%s: added %s, retired %s", self.d.namespace, self.d.name,
-                     added, retired)
-            self.router.changed()
+        reconcile(self.router, wanted, f"{self.d.namespace}/{self.d.name}")
 
     async def _watch(self, resource: Any, labels: dict[str, str], engines) -> None:
         # A fresh watch (no resourceVersion) starts with the current objects, each ADDED.

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from prometheus_client import ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..core.engines import EngineState
 from ..core.router import Router
-
-try:  # what /proc counts in: clock ticks and pages
-    _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-    _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-    _CLOCK_TICKS, _PAGE_SIZE = 100, 4096
 
 # Per-engine series, in exposition order: (family, name, help, the engine's value at
 # ``now``; None where the engine has none, e.g. KV-event series without ``kv_events``).
@@ -157,23 +151,14 @@ WORKER_SERIES = (
 
 
 def process_usage(pid: int) -> tuple[float, int]:
-    """A process's CPU seconds (user + system) and resident bytes, from ``/proc`` (what
-    ``prometheus_client``'s ProcessCollector reads for its own process); zeros where it
+    """A process's CPU seconds (user + system) and resident bytes, as
+    ``prometheus_client``'s ProcessCollector reads them from ``/proc`` (the one this
+    process's own ``process_*`` series come from), pointed at ``pid``; zeros where they
     cannot be read (gone, or not Linux)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        with open(f"/proc/{pid}/statm", "rb") as f:
-            pages = int(f.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0.0, 0
-    # after the command's closing parenthesis: state is field 3, utime 14, stime 15
-    fields = stat[stat.rfind(b")") + 2:].split()
-    try:
-        ticks = int(fields[11]) + int(fields[12])
-    except (ValueError, IndexError):
-        return 0.0, 0
-    return ticks / _CLOCK_TICKS, pages * _PAGE_SIZE
+    found = {m.name: m.samples[0].value
+             for m in ProcessCollector(pid=lambda: pid, registry=None).collect()}
+    return (found.get("process_cpu_seconds", 0.0),
+            int(found.get("process_resident_memory_bytes", 0)))
 
 
 class WorkersCollector(Collector):
