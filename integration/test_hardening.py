@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import orjson
 import pytest
 
 from narwhal.launch import SimSpec
@@ -361,3 +362,129 @@ def test_slow_uploads_are_held_within_the_process_budget(held_stack):
     ok = httpx.post(f"{held_stack.url}/v1/chat/completions", content=body(50_000),
                     headers={"content-type": "application/json"}, timeout=30)
     assert ok.status_code == 200
+
+
+@pytest.fixture(scope="module")
+def frames_stack():
+    yield from _stack([SimSpec("sim-frames", args=["--tpot-ms", "20"])])
+
+
+def _fragmented_post(stack, body: bytes) -> tuple[int, bytes, int]:
+    """POST ``body`` over HTTP/2 (h2c) in 1-byte DATA frames, within Envoy's flow-control
+    windows, until the response comes: its status, body and the frames sent."""
+    import socket
+
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    sock = socket.create_connection(("127.0.0.1", stack.port), timeout=60)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    sid = conn.get_next_available_stream_id()
+    conn.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":authority", "narwhal"),
+                            (":path", "/v1/chat/completions"),
+                            ("content-type", "application/json")])
+    sock.sendall(conn.data_to_send())
+    status, answer, sent, ended = 0, b"", 0, False
+
+    def read(block: bool) -> None:
+        nonlocal status, answer, ended
+        sock.setblocking(block)
+        try:
+            data = sock.recv(1 << 20)
+        except BlockingIOError:
+            return
+        finally:
+            sock.setblocking(True)
+        if not data:
+            ended = True
+        for ev in conn.receive_data(data):
+            if isinstance(ev, h2.events.ResponseReceived):
+                status = int(dict(ev.headers)[b":status"])
+            elif isinstance(ev, h2.events.DataReceived):
+                answer += ev.data
+                conn.acknowledge_received_data(ev.flow_controlled_length, sid)
+            elif isinstance(ev, h2.events.StreamEnded | h2.events.StreamReset):
+                ended = True
+        sock.sendall(conn.data_to_send())
+
+    try:
+        while not ended:
+            room = conn.local_flow_control_window(sid) if sent < len(body) else 0
+            if room <= 0:
+                read(True)
+                continue
+            for at in range(sent, sent + min(room, 65_536, len(body) - sent)):
+                conn.send_data(sid, body[at:at + 1], end_stream=at == len(body) - 1)
+                sent += 1
+            sock.sendall(conn.data_to_send())
+            read(False)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # Envoy answered and closed the stream's connection while we still sent
+    finally:
+        sock.close()
+    return status, answer, sent
+
+
+def test_a_body_in_one_byte_frames_is_a_400_and_harms_no_other_request(frames_stack):
+    """A client sends a 1 MiB body in 1-byte HTTP/2 frames. Envoy makes each an ext_proc
+    message; at its default limit of 10,000 frames queued toward Narwhal it closed the
+    connection, and every request that Envoy worker had in flight failed with it (seen
+    here: 1-6 of 8 streams cut off). Now the client is told 400 after 1,041 pieces, the
+    router spends little CPU on it, and the streams in flight, held mid-answer by the
+    simulator's gate while it runs, all finish whole."""
+    stack = frames_stack
+    sim = f"http://127.0.0.1:{stack.sims[0].port}/sim/hold"
+    first = threading.Barrier(9, timeout=60)
+    results: list[tuple[int, bool, str | None]] = []
+
+    def victim() -> None:
+        tokens, done, error = 0, False, None
+        body = {"model": MODEL, "messages": MSGS, "max_tokens": 40, "stream": True}
+        try:
+            with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body,
+                              timeout=60) as resp:
+                for line in resp.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: ") and '"error"' in line:
+                        error = line
+                    elif line.startswith("data: ") and (choices := orjson.loads(line[6:])["choices"]) \
+                            and choices[0]["delta"].get("content"):
+                        tokens += 1
+                        if tokens == 1:
+                            first.wait()
+        except httpx.HTTPError as exc:
+            error = repr(exc)
+        results.append((tokens, done, error))
+
+    threads = [threading.Thread(target=victim) for _ in range(8)]
+    for t in threads:
+        t.start()
+    first.wait()  # every stream has its first token
+    assert httpx.post(sim, json={"hold": True}).status_code == 200
+    pid = stack.proc("narwhal").popen.pid
+    cpu = _cpu_s(pid)
+    try:
+        body = b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", ' \
+            b'"content": "' + b"x" * 1_000_000 + b'"}]}'
+        code, answer, sent = _fragmented_post(stack, body)
+        spent = _cpu_s(pid) - cpu
+    finally:
+        httpx.post(sim, json={"hold": False})
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == [(40, True, None)] * 8, results
+    assert code == 400 and b'"code":"request_body_fragmented"' in answer, (code, answer[:300])
+    assert sent < len(body)  # told before the whole body was sent
+    assert spent < 1.0, f"the router spent {spent:.2f} s of CPU on the fragmented body"
+    _serves(stack)
+
+
+def _cpu_s(pid: int) -> float:
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -16,15 +16,19 @@ BODY = orjson.dumps({"model": "narwhal-sim", "messages": [{"role": "user", "cont
 HDRS = {":path": "/v1/chat/completions", ":method": "POST"}
 
 
-@pytest.fixture
-def router() -> Router:
-    r = Router(parse({"serving": {"max_request_bytes": 1000},
+def ready_router(serving: dict | None = None, **config: dict) -> Router:
+    r = Router(parse({"serving": serving or {}, **config,
                       "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]}))
     for e in r.engines:
         e.healthy = e.checked = e.profiled = True
         e.telemetry_at = r.clock()
     r.started = True
     return r
+
+
+@pytest.fixture
+def router() -> Router:
+    return ready_router({"max_request_bytes": 1000})
 
 
 def engine_stream(body: bytes, fault: str | None = None) -> bytes:
@@ -92,6 +96,61 @@ def test_413_mid_body_without_content_length(router):
     assert isinstance(imm, Immediate) and imm.error.status == 413
     assert router.accounting.terminal["invalid_requests"] == 1
     assert router.accounting.unsized_offered == 1
+
+
+def test_a_body_in_too_many_small_pieces_is_a_400_that_releases_everything():
+    """Past 1,024 pieces each must bring 64 bytes of the body on average (each piece is an
+    ext_proc message of its own): 1-byte pieces end the request at the 1,041st (17 past
+    the free ones, 1,088 bytes due, 1,041 come), counted invalid."""
+    router = ready_router()
+    ex = Exchange(router)
+    ex.request_headers(HDRS, False)
+    for _ in range(1040):
+        assert ex.request_body(b" ", False) == []
+    (imm,) = ex.request_body(b" ", False)
+    assert isinstance(imm, Immediate) and imm.error.status == 400
+    assert imm.error.code == "request_body_fragmented" and "1041 pieces" in imm.error.message
+    assert ex.request_body(b" ", False) == []  # what Envoy had already sent: nothing more
+    ex.close()
+    acct = router.accounting
+    assert acct.terminal["invalid_requests"] == 1 and acct.in_flight == 0
+    assert router.held_bytes == 0
+
+
+def test_a_body_in_many_pieces_of_fair_size_is_served():
+    """A client writing its body 100 bytes at a time: 2,000 pieces, admitted whole (open
+    admission: the long prompt's projection is not what is tested)."""
+    r = ready_router(admission={"mode": "open"})
+    body = orjson.dumps({"model": "narwhal-sim", "max_tokens": 4,
+                         "messages": [{"role": "user", "content": "x" * (200_000 - 80)}]})
+    ex = Exchange(r)
+    ex.request_headers(HDRS, False)
+    out: list = []
+    for at in range(0, len(body), 100):
+        out += ex.request_body(body[at:at + 100], at + 100 >= len(body))
+    assert ex.request_pieces == 2000
+    h, *bodies = out
+    assert isinstance(h, Headers) and h.destination == "127.0.0.1:9"
+    sent = orjson.loads(b"".join(b.data for b in bodies))
+    assert sent["messages"] == orjson.loads(body)["messages"]
+
+
+@pytest.mark.parametrize("piece,count,status", [(b" ", 1041, 400), (b"x" * 500, 3, 413)])
+def test_a_pass_through_body_is_bounded_as_a_completions(piece, count, status):
+    """``GET /v1/models`` with a body: relayed piece by piece, within the same bounds (bytes,
+    and pieces past 1,024), and ended by the error past them."""
+    router = ready_router({"max_request_bytes": 1000 if status == 413 else 1_048_576})
+    ex = Exchange(router)
+    (h,) = ex.request_headers({":path": "/v1/models", ":method": "GET"}, False)
+    assert isinstance(h, Headers) and h.destination == "127.0.0.1:9"
+    for _ in range(count - 1):
+        (b,) = ex.request_body(piece, False)
+        assert isinstance(b, Body) and b.data == piece
+    (imm,) = ex.request_body(piece, False)
+    assert isinstance(imm, Immediate) and imm.error.status == status
+    assert ex.request_body(piece, True) == []
+    ex.close()
+    assert router.accounting.in_flight == 0 and router.accounting.offered == 0
 
 
 def test_413_from_content_length(router):
@@ -717,7 +776,8 @@ def test_request_bodies_are_held_within_the_process_budget():
 def test_a_body_in_small_chunks_is_held_at_about_its_bytes():
     """A client that sends its body a few bytes at a time (Envoy forwards each read as a
     chunk) is counted at its bytes; held as a list of chunks, two-byte chunks took ~22x
-    them. Folded into one buffer: about its bytes, and the same request goes upstream."""
+    them, and 64-byte chunks (the smallest average a body past 1,024 pieces may have)
+    ~1.6x. Folded into one buffer: about its bytes, and the same request goes upstream."""
     import tracemalloc
 
     router = held_router(max_request_bytes=300_000, max_held_bytes=400_000,
@@ -727,8 +787,8 @@ def test_a_body_in_small_chunks_is_held_at_about_its_bytes():
     ex = Exchange(router)
     ex.request_headers(HDRS, False)
     tracemalloc.start()
-    for i in range(0, len(body), 2):  # each chunk a new object, as each message's is
-        assert ex.request_body(body[i:i + 2], False) == []
+    for i in range(0, len(body), 64):  # each chunk a new object, as each message's is
+        assert ex.request_body(body[i:i + 64], False) == []
     held, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert router.held_bytes == len(body) and held < 1.25 * len(body) + 16_384, held

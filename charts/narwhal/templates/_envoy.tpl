@@ -104,7 +104,12 @@ static_resources:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
         explicit_http_config:
-          http2_protocol_options: {}
+          # Envoy turns each piece of a client's body (an HTTP/2 DATA frame) into an
+          # ext_proc message, a frame on this connection. At Envoy's default of 10,000
+          # frames queued, one client's body in 1-byte frames closed the connection, and
+          # with it every request this Envoy worker had in flight. Its 1 MiB write buffer
+          # stops Envoy reading clients at 30-60 k such frames: the limit is above that.
+          http2_protocol_options: {max_outbound_frames: 200000}
     load_assignment:
       cluster_name: narwhal
       endpoints:

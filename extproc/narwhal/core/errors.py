@@ -68,6 +68,13 @@ def request_too_large(limit: int) -> HttpError:
                      "invalid_request_error", INVALID, code="request_too_large")
 
 
+def request_body_fragmented(pieces: int, free: int, min_bytes: int) -> HttpError:
+    return HttpError(400, f"Request body arrived in {pieces} pieces, too small: past {free} "
+                     f"pieces each must bring {min_bytes} bytes on average; send it in fewer, "
+                     "larger writes", "invalid_request_error", INVALID,
+                     code="request_body_fragmented")
+
+
 def retention_full() -> HttpError:
     return HttpError(429, "Too many requests in flight (HTTP retention limit); retry",
                      "rate_limit_error", REJECTED, code="retention_full", retry_after=1)
