@@ -129,6 +129,18 @@ def test_chart_envoy_matches_the_repository_envoy():
         return next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "engines")
 
     assert filters(chart) == filters(repo)
+
+    def to_narwhal(cfg):  # its protocol options: the outbound frame limit among them
+        cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "narwhal")
+        return cluster["typed_extension_protocol_options"]
+
+    assert to_narwhal(chart) == to_narwhal(repo)
+    # The Istio gateway's cluster for Narwhal is given the same options (a MERGE patch:
+    # rendered and compared here; no Istio runs on this machine).
+    (envoy_filter,) = by_kind(render(FEATURES["istio"]), "EnvoyFilter")
+    merged = [p["patch"]["value"] for p in envoy_filter["spec"]["configPatches"]
+              if p["applyTo"] == "CLUSTER" and p["patch"]["operation"] == "MERGE"]
+    assert [m["typed_extension_protocol_options"] for m in merged] == [to_narwhal(repo)]
     # The same cluster but for its members: the chart fills in the configured pool.
     pool_keys = ("type", "load_assignment", "dns_lookup_family")
     assert ({k: v for k, v in engines(chart).items() if k not in pool_keys}
