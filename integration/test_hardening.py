@@ -4,14 +4,20 @@ keeps serving."""
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
+import h2.config
+import h2.connection
+import h2.events
 import httpx
 import orjson
 import pytest
 
 from narwhal.launch import SimSpec
+from narwhal.server.metrics import process_usage
 
 from .conftest import MODEL, _stack, status, wait_for
 
@@ -141,11 +147,6 @@ def test_a_body_slower_than_the_body_timeout_is_refused_408(stall_stack):
     408 Narwhal decides once serving.request_body_timeout_ms (1 s here) has passed since
     the headers (before: the request held its retention slot until its 600 s deadline, and
     this read timed out). Counted expired and unsized; nothing left held."""
-    import socket
-    from urllib.parse import urlsplit
-
-    import orjson
-
     before = status(stall_stack)["requests"]
     body = orjson.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 2})
     url = urlsplit(stall_stack.url)
@@ -328,11 +329,6 @@ def test_slow_uploads_are_held_within_the_process_budget(held_stack):
     ends: one process's requests together hold at most serving.max_held_bytes, past which a
     new body is refused 429 (code held_bytes_full, Retry-After), counted rejected; the
     held upload then completes, and its bytes are given back."""
-    import socket
-    from urllib.parse import urlsplit
-
-    import orjson
-
     def body(size: int) -> bytes:
         head = orjson.dumps({"model": MODEL, "max_tokens": 2,
                              "messages": [{"role": "user", "content": ""}]})
@@ -372,12 +368,6 @@ def frames_stack():
 def _fragmented_post(stack, body: bytes) -> tuple[int, bytes, int]:
     """POST ``body`` over HTTP/2 (h2c) in 1-byte DATA frames, within Envoy's flow-control
     windows, until the response comes: its status, body and the frames sent."""
-    import socket
-
-    import h2.config
-    import h2.connection
-    import h2.events
-
     sock = socket.create_connection(("127.0.0.1", stack.port), timeout=60)
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
@@ -465,12 +455,12 @@ def test_a_body_in_one_byte_frames_is_a_400_and_harms_no_other_request(frames_st
     first.wait()  # every stream has its first token
     assert httpx.post(sim, json={"hold": True}).status_code == 200
     pid = stack.proc("narwhal").popen.pid
-    cpu = _cpu_s(pid)
+    cpu = process_usage(pid)[0]
     try:
         body = b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", ' \
             b'"content": "' + b"x" * 1_000_000 + b'"}]}'
         code, answer, sent = _fragmented_post(stack, body)
-        spent = _cpu_s(pid) - cpu
+        spent = process_usage(pid)[0] - cpu
     finally:
         httpx.post(sim, json={"hold": False})
     for t in threads:
@@ -481,10 +471,3 @@ def test_a_body_in_one_byte_frames_is_a_400_and_harms_no_other_request(frames_st
     assert spent < 1.0, f"the router spent {spent:.2f} s of CPU on the fragmented body"
     _serves(stack)
 
-
-def _cpu_s(pid: int) -> float:
-    import os
-
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -7,7 +7,6 @@ serving; none may take down another stream.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from narwhal.launch import SimSpec, Stack
 from narwhal.server import http2
+from narwhal.server.metrics import process_usage
 
 from .conftest import _stack, wait_for
 
@@ -28,7 +28,6 @@ CHECK = "/grpc.health.v1.Health/Check"
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 CPU_S = 2.0
 RSS_BYTES = 20 * 1024 * 1024
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +45,7 @@ class Usage:
         self.cpu0, self.rss0 = self.sample()
 
     def sample(self) -> tuple[float, int]:
-        with open(f"/proc/{self.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        cpu = (int(fields[11]) + int(fields[12])) / TICK
-        with open(f"/proc/{self.pid}/status") as f:
-            rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-        return cpu, rss
+        return process_usage(self.pid)
 
     def check(self) -> None:
         cpu, rss = self.sample()
