@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+import orjson
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -113,7 +114,13 @@ def test_the_schedulers_step_model_times_the_steps_the_workers_relay(two_workers
     """The engine's steps are timed in the scheduler process, as in one: each worker
     reports the tokens that follow a pause (every step's first, one frame a step), and
     the scheduler's step model measures the steps that computed prompts (none while the
-    workers kept every token to themselves)."""
+    workers kept every token to themselves).
+
+    A step is timed when it starts after a prompt was sent and before its first token, so
+    a stream decodes throughout (every request below is sent while its tokens leave the
+    engine step by step). Without it, the four clients' requests, sent together to an
+    idle engine and answered in lockstep, sometimes never left a step start between a
+    dispatch and its first token (this test failed 3-4 runs in 10)."""
     client = client_for(two_workers)
 
     def stream(i: int) -> int:
@@ -122,8 +129,14 @@ def test_the_schedulers_step_model_times_the_steps_the_workers_relay(two_workers
             max_tokens=12, stream=True, stream_options={"include_usage": True}))
         return chunks[-1].usage.completion_tokens
 
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        assert list(pool.map(stream, range(12))) == [12] * 12
+    decoding = {"model": MODEL, "messages": MSGS, "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", f"{two_workers.url}/v1/chat/completions", json=decoding,
+                      timeout=60) as resp:
+        lines = resp.iter_lines()
+        next(line for line in lines if line.startswith("data: {")
+             and (c := orjson.loads(line[6:])["choices"]) and c[0]["delta"].get("content"))
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(stream, range(12))) == [12] * 12
     st = settled(two_workers)
     assert st["engines"][0]["step_model"]["steps"] > 0
 
