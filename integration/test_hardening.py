@@ -13,13 +13,14 @@ import h2.config
 import h2.connection
 import h2.events
 import httpx
+import openai
 import orjson
 import pytest
 
 from narwhal.launch import SimSpec
 from narwhal.server.metrics import process_usage
 
-from .conftest import MODEL, _stack, status, wait_for
+from .conftest import MODEL, _stack, client_for, status, wait_for
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -286,6 +287,35 @@ def test_engine_abort_mid_stream_is_failed_not_cancelled(paced_stack, stream):
     after = settled(paced_stack)["requests"]["terminal"]
     assert after["failed"] == before["failed"] + 1
     assert after["cancelled"] == before["cancelled"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_answer_cut_short_cleanly_is_failed_and_the_client_told(paced_stack, stream):
+    """The engine's body ends cleanly mid-answer (a close-delimited body whose engine died,
+    a proxy ending a chunked body on its timeout): no transport error for Envoy to pass
+    on, and before, a streaming client saw a clean end without ``[DONE]`` and the request
+    counted completed. Now the stream ends with Narwhal's error event (the official
+    client raises it), a non-streaming client gets 502, and it counts failed."""
+    before = settled(paced_stack)["requests"]["terminal"]
+    client = client_for(paced_stack).with_options(
+        default_headers={"x-sim-fault": "cut-short"})
+    args = {"model": MODEL, "messages": MSGS, "max_tokens": 8}
+    texts: list[str] = []
+    with pytest.raises(openai.APIError) as raised:  # noqa: PT012
+        if stream:
+            for chunk in client.chat.completions.create(**args, stream=True):
+                texts += [c.delta.content for c in chunk.choices if c.delta.content]
+        else:
+            client.chat.completions.create(**args)
+    assert "ended before its answer did" in str(raised.value)
+    if stream:
+        assert texts  # the tokens the engine sent reached the client first
+    else:
+        assert isinstance(raised.value, openai.APIStatusError)
+        assert raised.value.status_code == 502
+    after = settled(paced_stack)["requests"]["terminal"]
+    assert after["failed"] == before["failed"] + 1
+    assert after["completed"] == before["completed"]
 
 
 def test_client_leaving_mid_stream_is_cancelled(paced_stack):

@@ -82,6 +82,36 @@ def test_streaming_round_trip_forwards_events(router):
     assert b"usage" not in out  # the client did not ask for it
 
 
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(("kept", "whole"), [(-1, True), (-2, True), (3, False), (0, False)])
+def test_an_answer_ending_without_done_is_whole_only_with_its_finish_reason(stream, kept, whole):
+    """The engine's body ends cleanly after ``kept`` of its events (-1: all but
+    ``[DONE]``; -2: nor the usage event, so the last is the finish_reason's): with the
+    finish_reason the answer is whole (a stream gets the ``[DONE]`` the engine left out);
+    without it the answer was cut short, counted failed, and the client told so."""
+    router = ready_router({"max_request_bytes": 1000})
+    ex = Exchange(router)
+    up = admit(ex, orjson.dumps(orjson.loads(BODY) | {"stream": stream}))
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
+    actions = []
+    for event in engine_stream(up).split(b"\n\n")[:-1][:kept]:
+        actions += ex.response_body(event + b"\n\n", False)
+    actions += ex.response_body(b"", True)
+    ex.close()
+    assert router.accounting.terminal["completed" if whole else "failed"] == 1
+    assert router.engines[0].in_flight == 0 and router.held_bytes == 0
+    last = actions[-1]
+    if stream:
+        assert isinstance(last, Body) and last.end_of_stream
+        assert last.data.endswith(b"data: [DONE]\n\n") is whole
+        assert (b"ended before its answer did" in last.data) is not whole
+    elif whole:
+        assert orjson.loads(last.data)["choices"][0]["finish_reason"] == "length"
+    else:
+        assert isinstance(last, Immediate) and last.error.status == 502
+        assert "ended before its answer did" in last.error.message
+
+
 def test_redelivered_final_chunk_is_ignored(router):
     ex = Exchange(router)
     admit(ex)

@@ -69,6 +69,8 @@ TIMER_SLACK = 0.002  # event-loop timers may fire up to a millisecond early
 # more at a time is within the bound; under it, a 1 MiB body is at most ~17,400 messages.
 BODY_PIECES_FREE = 1024
 MIN_PIECE_BYTES = 64
+# An engine's answer that ends with neither a finish_reason nor [DONE] (``Meter.whole``).
+CUT_SHORT = "engine stream ended before its answer did (no finish_reason, no [DONE])"
 
 
 @dataclass(slots=True)
@@ -542,6 +544,7 @@ class Exchange:
                 if raw == b"[DONE]":
                     self._flush_relay(out)
                     out.append(DONE)
+                    meter.done = True
                     continue
                 event = _decode(raw)
                 tokens += meter.observe(event, raw)
@@ -562,7 +565,11 @@ class Exchange:
         if partial > self.response_held and (ended := self._outgrown(partial, out)):
             return ended
         if end_of_stream:
+            if not meter.whole:
+                return self._end_failed(errors.engine_failure(CUT_SHORT), out)
             self._flush_relay(out)
+            if not meter.done:
+                out.append(DONE)  # a whole answer: the client's stream ends as vLLM's does
             self._finish(errors.COMPLETED)
         elif not out:
             return []
@@ -611,6 +618,8 @@ class Exchange:
             return ended
         if not end_of_stream:
             return []
+        if not meter.whole:
+            return self._end_failed(errors.engine_failure(CUT_SHORT))
         usage = meter.usage or self._computed_usage()
         body = assembler.body(usage)
         self._finish(errors.COMPLETED)

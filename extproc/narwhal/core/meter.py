@@ -61,7 +61,7 @@ def _usage(usage: Any) -> dict[str, Any]:
 
 class Meter:
     __slots__ = ("chat", "token_ids", "counted", "events", "first_token_seen", "usage",
-                 "prompt_token_ids")
+                 "prompt_token_ids", "finished", "done")
 
     def __init__(self, chat: bool, token_ids: bool) -> None:
         self.chat = chat
@@ -71,6 +71,8 @@ class Meter:
         self.first_token_seen = False
         self.usage: dict[str, Any] | None = None
         self.prompt_token_ids: int | None = None
+        self.finished = False  # a choice carried its finish_reason
+        self.done = False  # the engine sent ``[DONE]`` (the exchange tells it)
 
     @property
     def output_tokens(self) -> int:
@@ -99,6 +101,8 @@ class Meter:
         for choice in choices:
             if choice.__class__ is not dict:
                 raise EngineOutputError("engine choice is not an object")
+            if choice.get("finish_reason") is not None:
+                self.finished = True
             if self.prompt_token_ids is None and not self.chat:
                 self._prompt_ids(choice.get("prompt_token_ids"))  # completions: per choice
             if self.token_ids:
@@ -114,6 +118,14 @@ class Meter:
             self.counted += tokens
         self.events += 1
         return tokens
+
+    @property
+    def whole(self) -> bool:
+        """The engine's answer ended as an engine ends one: with ``[DONE]``, or at least
+        with its choice's finish_reason (a request has one choice). A stream that ends
+        without either was cut short (an engine that died behind a close-delimited body,
+        a proxy that ended a chunked body on its own timeout) and is no completion."""
+        return self.done or self.finished
 
     def _prompt_ids(self, ids: Any) -> None:
         if ids.__class__ is list:
