@@ -169,7 +169,8 @@ def test_token_ids_exposed_when_requested(client):
     assert (chunks[0].model_extra or {}).get("prompt_token_ids")
 
 
-@pytest.mark.parametrize("fault", ["omit-token-ids", "bool-token-id", "malformed-token-ids"])
+@pytest.mark.parametrize("fault", ["omit-token-ids", "bool-token-id", "malformed-token-ids",
+                                   "overrun"])
 def test_token_identity_failure_non_streaming_is_502(client, stack, fault):
     before = {e["name"]: e["measurement_failures"] for e in status(stack)["engines"]}
     with pytest.raises(openai.APIStatusError) as info:
@@ -182,7 +183,7 @@ def test_token_identity_failure_non_streaming_is_502(client, stack, fault):
 
 
 @pytest.mark.parametrize("fault", ["omit-token-ids", "bool-token-id", "malformed-token-ids",
-                                   "error-event"])
+                                   "error-event", "overrun", "cut-short"])
 def test_stream_failure_is_an_sse_error_event(stack, fault):
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 8, "stream": True}
     with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body,

@@ -214,12 +214,16 @@ def test_standby_router_refuses(router):
     assert imm.error.status == 503 and ("retry-after", "1") in imm.error.headers()
 
 
-def test_token_id_fault_non_streaming_is_502_and_marks_engine(router):
+@pytest.mark.parametrize(("fault", "says"), [("bool-token-id", "Boolean token ID"),
+                                             ("overrun", "5 output token IDs, past the "
+                                                         "request's max_tokens (4)")])
+def test_token_id_fault_non_streaming_is_502_and_marks_engine(router, fault, says):
     ex = Exchange(router)
     up = admit(ex)
     ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
-    (imm,) = ex.response_body(engine_stream(up, "bool-token-id"), False)
+    (imm,) = ex.response_body(engine_stream(up, fault), False)
     assert imm.error.status == 502 and router.engines[0].measurement_failures == 1
+    assert says in imm.error.message
     assert ex.response_body(b"data: more\n\n", True) == []
     assert router.accounting.terminal["failed"] == 1
 
@@ -627,7 +631,8 @@ def test_before_its_first_token_a_request_waits_while_its_engine_answers_others(
                           clock=lambda: now[0]))
     sse = {":status": "200", "content-type": "text/event-stream"}
     busy = Exchange(router)
-    up = admit(busy, orjson.dumps(orjson.loads(BODY) | {"stream": True, "max_tokens": 40}))
+    # room for the ~140 token events it is fed below (one of them again and again)
+    up = admit(busy, orjson.dumps(orjson.loads(BODY) | {"stream": True, "max_tokens": 200}))
     busy.response_headers(sse, False)
     tokens = [e + b"\n\n" for e in engine_stream(up).split(b"\n\n") if e][1:]
     busy.response_body(tokens.pop(0), False)  # its first token: the engine is at work

@@ -70,7 +70,7 @@ TIMER_SLACK = 0.002  # event-loop timers may fire up to a millisecond early
 BODY_PIECES_FREE = 1024
 MIN_PIECE_BYTES = 64
 # An engine's answer that ends with neither a finish_reason nor [DONE] (``Meter.whole``).
-CUT_SHORT = "engine stream ended before its answer did (no finish_reason, no [DONE])"
+CUT_SHORT = "engine stream ended before its answer did (no finish_reason, no DONE event)"
 
 
 @dataclass(slots=True)
@@ -429,7 +429,7 @@ class Exchange:
         them (the worker that takes over a dispatched exchange builds the same)."""
         req = self.request
         assert req is not None
-        self.meter = Meter(req.chat, token_ids)
+        self.meter = Meter(req.chat, token_ids, req.max_tokens)
         self.parser = SSEParser(self.router.config.serving.max_event_bytes)
         if req.stream:
             # Hide only the IDs Narwhal asked for; what the client asked for, it gets.

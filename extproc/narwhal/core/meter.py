@@ -61,11 +61,15 @@ def _usage(usage: Any) -> dict[str, Any]:
 
 class Meter:
     __slots__ = ("chat", "token_ids", "counted", "events", "first_token_seen", "usage",
-                 "prompt_token_ids", "finished", "done")
+                 "prompt_token_ids", "finished", "done", "cap")
 
-    def __init__(self, chat: bool, token_ids: bool) -> None:
+    def __init__(self, chat: bool, token_ids: bool, max_tokens: int | None = None) -> None:
         self.chat = chat
         self.token_ids = token_ids
+        # Counted IDs are exact, so more than the request's max_tokens is an engine that
+        # broke it (vLLM stops at it, speculative tokens included): without this, a
+        # runaway stream held its decode slot, and its client, for as long as it ran.
+        self.cap = max_tokens if token_ids and max_tokens is not None else 1 << 62
         self.counted = 0
         self.events = 0
         self.first_token_seen = False
@@ -116,6 +120,9 @@ class Meter:
         if tokens:
             self.first_token_seen = True
             self.counted += tokens
+            if self.counted > self.cap:
+                raise TokenIdError(f"engine sent {self.counted} output token IDs, past the "
+                                   f"request's max_tokens ({self.cap})")
         self.events += 1
         return tokens
 

@@ -54,6 +54,7 @@ FAULTS = frozenset(
         "error-event",
         "abrupt-close",
         "cut-short",
+        "overrun",
         "slow-start",
         "omit-usage",
         "stall",
@@ -418,6 +419,8 @@ def make_plan(body: dict[str, Any], opts: SimOptions, fault: str | None,
         plan.stream_error = SimRequestError(
             f"Requested sample logprobs of {top}, which is greater than max allowed: "
             f"{MAX_LOGPROBS} (parameter=logprobs, value={top})", "logprobs")
+    if fault == "overrun" and plan.max_tokens is not None:
+        plan.max_tokens += 4  # an engine that does not stop at the request's max_tokens
     for index in range(plan.n):
         toks, finish = _choice_tokens(plan, index, rng)
         plan.choices.append(toks)
