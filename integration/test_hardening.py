@@ -318,6 +318,31 @@ def test_an_engine_answer_cut_short_cleanly_is_failed_and_the_client_told(paced_
     assert after["completed"] == before["completed"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_writing_its_answer_a_byte_at_a_time_is_failed(paced_stack, stream):
+    """The engine writes its answer a byte at a time (the simulator's ``dribble``: each
+    byte its own HTTP chunk, 0.5 ms apart), and Envoy makes each read an ext_proc message:
+    ~4 us of the router's CPU a byte, more of Envoy's, for as long as the engine goes on.
+    Past 1,024 pieces each must bring 32 bytes on average, so the request ends after about
+    a thousand, failed like any broken engine output, and the client is told why."""
+    before = settled(paced_stack)["requests"]["terminal"]
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 64, "stream": stream}
+    resp = httpx.post(f"{paced_stack.url}/v1/chat/completions", json=body, timeout=60,
+                      headers={"x-sim-fault": "dribble"})
+    if stream:
+        assert resp.status_code == 200
+        last = orjson.loads(resp.text.rstrip().rsplit("data: ", 1)[1])
+        assert "[DONE]" not in resp.text
+    else:
+        assert resp.status_code == 502
+        last = resp.json()
+    assert last["error"]["type"] == "upstream_error"
+    assert "bytes (past 1024 pieces, each must bring 32" in last["error"]["message"]
+    after = settled(paced_stack)["requests"]["terminal"]
+    assert after["failed"] == before["failed"] + 1
+    assert after["completed"] == before["completed"]
+
+
 def test_client_leaving_mid_stream_is_cancelled(paced_stack):
     before = settled(paced_stack)["requests"]["terminal"]
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 50, "stream": True}

@@ -165,6 +165,34 @@ def test_a_body_in_many_pieces_of_fair_size_is_served():
     assert sent["messages"] == orjson.loads(body)["messages"]
 
 
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(("size", "whole"), [(1, False), (40, True)])
+def test_an_engine_answer_in_too_many_small_pieces_is_failed(stream, size, whole):
+    """Past 1,024 pieces each piece of an engine's answer must bring 32 bytes on average:
+    an answer written a byte at a time ends at the 1,058th piece (34 past the free ones,
+    1,088 bytes due, 1,058 come), failed like any broken engine output, everything
+    released; the same answer in 40-byte pieces (~1,900 of them) is served whole."""
+    router = ready_router()
+    ex = Exchange(router)
+    up = admit(ex, orjson.dumps(orjson.loads(BODY) | {"stream": stream, "max_tokens": 300}))
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
+    sse = engine_stream(up)
+    out: list = []
+    for at in range(0, len(sse), size):
+        out += ex.response_body(sse[at:at + size], at + size >= len(sse))
+        if ex.terminal is not None:
+            break
+    ex.close()
+    assert router.accounting.terminal["completed" if whole else "failed"] == 1
+    assert router.engines[0].in_flight == 0 and router.held_bytes == 0
+    if whole:
+        assert ex.response_pieces > 1024
+        return
+    assert ex.response_pieces == 1058
+    said = out[-1].data if stream else out[-1].error.body()
+    assert b"1058 pieces of 1058 bytes" in said
+
+
 @pytest.mark.parametrize("piece,count,status", [(b" ", 1041, 400), (b"x" * 500, 3, 413)])
 def test_a_pass_through_body_is_bounded_as_a_completions(piece, count, status):
     """``GET /v1/models`` with a body: relayed piece by piece, within the same bounds (bytes,

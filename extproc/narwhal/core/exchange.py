@@ -69,6 +69,10 @@ TIMER_SLACK = 0.002  # event-loop timers may fire up to a millisecond early
 # more at a time is within the bound; under it, a 1 MiB body is at most ~17,400 messages.
 BODY_PIECES_FREE = 1024
 MIN_PIECE_BYTES = 64
+# The same for an engine's answer (an HTTP/1 read of its body each): an engine writing a
+# byte at a time cost this process ~4 us a byte and Envoy more. A token event is 100-300
+# bytes (vLLM's ~200), so a whole answer is far above the average it must keep.
+MIN_RESPONSE_PIECE_BYTES = 32
 # An engine's answer that ends with neither a finish_reason nor [DONE] (``Meter.whole``).
 CUT_SHORT = "engine stream ended before its answer did (no finish_reason, no DONE event)"
 
@@ -131,7 +135,7 @@ class Exchange:
                  "last_token_at", "strip", "engine_seen", "request_id", "candidates",
                  "decided_at", "ended_at", "error_code", "trace_headers", "recorded",
                  "token_id_fault", "reply", "parked", "held_bytes", "response_held",
-                 "trailers_after", "request_pieces")
+                 "trailers_after", "request_pieces", "response_pieces")
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -156,6 +160,7 @@ class Exchange:
         self.request_ended = False
         self.request_bytes = 0
         self.request_pieces = 0
+        self.response_pieces = 0
         self.response_bytes = 0
         self.held = False
         self.arrival = 0.0
@@ -312,7 +317,7 @@ class Exchange:
         limit = self.router.config.serving.max_request_bytes
         if self.request_bytes > limit:
             return errors.request_too_large(limit)
-        if (self.request_pieces - BODY_PIECES_FREE) * MIN_PIECE_BYTES > self.request_bytes:
+        if _fragmented(self.request_pieces, self.request_bytes, MIN_PIECE_BYTES):
             return errors.request_body_fragmented(self.request_pieces, BODY_PIECES_FREE,
                                                   MIN_PIECE_BYTES)
         return None
@@ -517,6 +522,14 @@ class Exchange:
             return []
         if self.upstream_error:
             return self._upstream_error(chunk, end_of_stream)
+        self.response_pieces += 1
+        self.response_bytes += len(chunk)
+        if self.response_pieces > BODY_PIECES_FREE and _fragmented(
+                self.response_pieces, self.response_bytes, MIN_RESPONSE_PIECE_BYTES):
+            return self._end_failed(errors.engine_failure(
+                f"engine sent its answer in {self.response_pieces} pieces of "
+                f"{self.response_bytes} bytes (past {BODY_PIECES_FREE} pieces, each must bring "
+                f"{MIN_RESPONSE_PIECE_BYTES} bytes on average)"))
         try:
             if self.relay is not None:
                 return self._stream(chunk, end_of_stream)
@@ -595,7 +608,6 @@ class Exchange:
     def _assemble(self, chunk: bytes, end_of_stream: bool) -> list[Action]:
         meter, assembler = self.meter, self.assembler
         assert meter is not None and assembler is not None and self.request is not None
-        self.response_bytes += len(chunk)
         limit = self.router.config.serving.max_response_bytes
         if self.response_bytes > limit:
             raise EngineOutputError(f"engine response exceeds serving.max_response_bytes ({limit})")
@@ -918,6 +930,12 @@ class Exchange:
             prompt_tokens=prompt if isinstance(prompt, int) else (t.tokens if t else None),
             output_tokens=meter.output_tokens if meter is not None else None,
             trace_headers=self.trace_headers)
+
+
+def _fragmented(pieces: int, size: int, min_bytes: int) -> bool:
+    """A body of ``size`` bytes in ``pieces`` pieces: past ``BODY_PIECES_FREE`` of them,
+    do they bring fewer than ``min_bytes`` each on average?"""
+    return (pieces - BODY_PIECES_FREE) * min_bytes > size
 
 
 def _with_trailers(actions: list[Action]) -> list[Action]:

@@ -55,6 +55,7 @@ FAULTS = frozenset(
         "abrupt-close",
         "cut-short",
         "overrun",
+        "dribble",
         "slow-start",
         "omit-usage",
         "stall",

@@ -43,6 +43,7 @@ from .generate import (
 
 log = logging.getLogger("narwhal.sim")
 PROMPT_BYTES_PER_TOKEN = 4  # generate.count_prompt_tokens
+DRIBBLE_S = 0.001  # the ``dribble`` fault's pause after each byte (uvloop's timers count ms)
 KEEPALIVE = b": keepalive\n\n"  # the ``keepalive`` fault's comment, every KEEPALIVE_S
 KEEPALIVE_S = 0.1
 
@@ -335,6 +336,16 @@ class Engine:
                     if request.transport is not None:
                         request.transport.abort()
                     return resp
+                if data and plan.fault == "dribble":
+                    # A byte at a time, each its own write and HTTP chunk, paused so that
+                    # the proxy reads each on its own: a broken engine's (or proxy's) pace.
+                    for at in range(len(data)):
+                        try:
+                            await resp.write(data[at:at + 1])
+                        except ConnectionError:
+                            return resp  # the router ended the request
+                        await asyncio.sleep(DRIBBLE_S)
+                    continue
                 if data:
                     pending.append(data)
             if pending:
