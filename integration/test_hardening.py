@@ -337,7 +337,7 @@ def test_an_engine_writing_its_answer_a_byte_at_a_time_is_failed(paced_stack, st
         assert resp.status_code == 502
         last = resp.json()
     assert last["error"]["type"] == "upstream_error"
-    assert "bytes (past 1024 pieces, each must bring 32" in last["error"]["message"]
+    assert "pieces of under 32 bytes on average (past the first 1024" in last["error"]["message"]
     after = settled(paced_stack)["requests"]["terminal"]
     assert after["failed"] == before["failed"] + 1
     assert after["completed"] == before["completed"]

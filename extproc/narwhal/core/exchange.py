@@ -135,7 +135,7 @@ class Exchange:
                  "last_token_at", "strip", "engine_seen", "request_id", "candidates",
                  "decided_at", "ended_at", "error_code", "trace_headers", "recorded",
                  "token_id_fault", "reply", "parked", "held_bytes", "response_held",
-                 "trailers_after", "request_pieces", "response_pieces")
+                 "trailers_after", "request_pieces", "response_credit")
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -160,7 +160,7 @@ class Exchange:
         self.request_ended = False
         self.request_bytes = 0
         self.request_pieces = 0
-        self.response_pieces = 0
+        self.response_credit = BODY_PIECES_FREE * MIN_RESPONSE_PIECE_BYTES
         self.response_bytes = 0
         self.held = False
         self.arrival = 0.0
@@ -522,14 +522,15 @@ class Exchange:
             return []
         if self.upstream_error:
             return self._upstream_error(chunk, end_of_stream)
-        self.response_pieces += 1
-        self.response_bytes += len(chunk)
-        if self.response_pieces > BODY_PIECES_FREE and _fragmented(
-                self.response_pieces, self.response_bytes, MIN_RESPONSE_PIECE_BYTES):
+        # The pieces bound as one running balance (this runs for every token event):
+        # bytes come in, MIN_RESPONSE_PIECE_BYTES go out a piece, the free pieces' worth
+        # to start with.
+        credit = self.response_credit + len(chunk) - MIN_RESPONSE_PIECE_BYTES
+        self.response_credit = credit
+        if credit < 0:
             return self._end_failed(errors.engine_failure(
-                f"engine sent its answer in {self.response_pieces} pieces of "
-                f"{self.response_bytes} bytes (past {BODY_PIECES_FREE} pieces, each must bring "
-                f"{MIN_RESPONSE_PIECE_BYTES} bytes on average)"))
+                f"engine sent its answer in pieces of under {MIN_RESPONSE_PIECE_BYTES} bytes "
+                f"on average (past the first {BODY_PIECES_FREE} pieces)"))
         try:
             if self.relay is not None:
                 return self._stream(chunk, end_of_stream)
@@ -608,6 +609,7 @@ class Exchange:
     def _assemble(self, chunk: bytes, end_of_stream: bool) -> list[Action]:
         meter, assembler = self.meter, self.assembler
         assert meter is not None and assembler is not None and self.request is not None
+        self.response_bytes += len(chunk)
         limit = self.router.config.serving.max_response_bytes
         if self.response_bytes > limit:
             raise EngineOutputError(f"engine response exceeds serving.max_response_bytes ({limit})")
