@@ -617,6 +617,7 @@ class Exchange:
         try:
             for raw in self._events(chunk, end_of_stream):
                 if raw == b"[DONE]":
+                    meter.done = True
                     continue
                 event = _decode(raw)
                 tokens += meter.observe(event, raw)
