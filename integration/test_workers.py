@@ -81,6 +81,13 @@ def worker_series(stack) -> dict[tuple[str, str], float]:
     return out
 
 
+def proc_cpu(pid: int) -> float:
+    """User plus system seconds of a process, from /proc/PID/stat as the kernel counts."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def vm_rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
@@ -90,16 +97,23 @@ def test_each_workers_own_cpu_memory_and_collector_are_on_the_schedulers_metrics
     """The scheduler's /metrics carries its own process series; each worker's are read
     from /proc by its pid, and its collector's totals asked for when /metrics is read."""
     before = worker_series(two_workers)
+    streams = [w["streams"] for w in status(two_workers)["workers"]]
     client = client_for(two_workers)
     for _ in range(12):
         resp = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=3)
         assert resp.usage.completion_tokens == 3
-    settled(two_workers)
+    st = settled(two_workers)
+    assert all(w["streams"] > n for w, n in zip(st["workers"], streams, strict=True))
+    pids = {str(w["index"]): w["pid"] for w in st["workers"]}
+    cpu_before = {w: proc_cpu(pid) for w, pid in pids.items()}
     after = worker_series(two_workers)
-    pids = {str(w["index"]): w["pid"] for w in status(two_workers)["workers"]}
+    cpu_after = {w: proc_cpu(pid) for w, pid in pids.items()}
     for w in ("0", "1"):
-        assert after[("narwhal_worker_cpu_seconds_total", w)] > before[
-            ("narwhal_worker_cpu_seconds_total", w)]  # both served some of the 12
+        # the worker's own CPU, read from /proc by its pid when /metrics was read (a
+        # dozen requests may be under the kernel's 10 ms tick: no "it grew" check)
+        cpu = after[("narwhal_worker_cpu_seconds_total", w)]
+        assert cpu_before[w] - 1e-9 <= cpu <= cpu_after[w] + 1e-9, (cpu_before, cpu, cpu_after)
+        assert cpu >= before[("narwhal_worker_cpu_seconds_total", w)] > 0
         rss = after[("narwhal_worker_resident_memory_bytes", w)]
         assert 0.8 * vm_rss(pids[w]) < rss < 1.25 * vm_rss(pids[w])
         # requests are freed by reference counting (start-up's garbage was collected
