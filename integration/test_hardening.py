@@ -318,6 +318,16 @@ def test_an_engine_answer_cut_short_cleanly_is_failed_and_the_client_told(paced_
     assert after["completed"] == before["completed"]
 
 
+def final_error(resp: httpx.Response, stream: bool) -> dict:
+    """A failed answer's error: a stream's final event (200 already sent, no ``[DONE]``)
+    or a non-streaming 502's envelope."""
+    if stream:
+        assert resp.status_code == 200 and "[DONE]" not in resp.text
+        return orjson.loads(resp.text.rstrip().rsplit("data: ", 1)[1])
+    assert resp.status_code == 502
+    return resp.json()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_engine_writing_its_answer_a_byte_at_a_time_is_failed(paced_stack, stream):
     """The engine writes its answer a byte at a time (the simulator's ``dribble``: each
@@ -329,18 +339,40 @@ def test_an_engine_writing_its_answer_a_byte_at_a_time_is_failed(paced_stack, st
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 64, "stream": stream}
     resp = httpx.post(f"{paced_stack.url}/v1/chat/completions", json=body, timeout=60,
                       headers={"x-sim-fault": "dribble"})
-    if stream:
-        assert resp.status_code == 200
-        last = orjson.loads(resp.text.rstrip().rsplit("data: ", 1)[1])
-        assert "[DONE]" not in resp.text
-    else:
-        assert resp.status_code == 502
-        last = resp.json()
+    last = final_error(resp, stream)
     assert last["error"]["type"] == "upstream_error"
     assert "pieces of under 32 bytes on average (past the first 1024" in last["error"]["message"]
     after = settled(paced_stack)["requests"]["terminal"]
     assert after["failed"] == before["failed"] + 1
     assert after["completed"] == before["completed"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_sending_megabytes_of_blank_lines_is_failed_and_padding_is_not(
+        paced_stack, stream):
+    """After its third token the engine sends 4 MiB of blank lines (legal SSE, nothing in
+    them): each line cost the router's parser ~0.4 us, 1.4-1.8 s of its CPU for these
+    (Envoy's: 0.02 s), and the request completed. Past the first 1,024 lines, lines must
+    average 32 bytes: the request fails at once, the client told why. The same 4 MiB as
+    SSE comments 4 KiB long (``padding``) cost ~0.02 s and the answer is whole."""
+    before = settled(paced_stack)["requests"]["terminal"]
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 8, "stream": stream}
+    url = f"{paced_stack.url}/v1/chat/completions"
+    plain = httpx.post(url, json=body, timeout=60)
+    padded = httpx.post(url, json=body, timeout=60, headers={"x-sim-fault": "padding"})
+    assert plain.status_code == padded.status_code == 200
+    if stream:
+        assert padded.text == plain.text  # the comments are not relayed
+    else:
+        assert padded.json()["choices"] == plain.json()["choices"]
+    resp = httpx.post(url, json=body, timeout=60, headers={"x-sim-fault": "blank-lines"})
+    last = final_error(resp, stream)
+    assert last["error"] == {
+        "message": "engine sent lines of under 32 bytes on average (past the first 1024 lines)",
+        "type": "upstream_error", "param": None, "code": "bad_engine_response"}
+    after = settled(paced_stack)["requests"]["terminal"]
+    assert after["failed"] == before["failed"] + 1
+    assert after["completed"] == before["completed"] + 2
 
 
 def test_client_leaving_mid_stream_is_cancelled(paced_stack):

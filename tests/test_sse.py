@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.core.sse import SSEError, SSEParser
+from narwhal.core.sse import FREE_LINES, MIN_LINE_BYTES, SSEError, SSEParser
 
 STREAM = (b': keep-alive\n\ndata: {"a": 1}\n\nevent: x\ndata: {"b":\ndata: 2}\r\n\r\n'
           b"id: 7\ndata: [DONE]\n\n")
@@ -61,15 +61,47 @@ def test_event_size_bound_is_the_same_however_chunked():
 
 
 def test_many_data_lines_are_linear():
-    """520k one-byte data lines (3.6 MB) used to stall the loop for seconds."""
+    """520k one-byte data lines (3.6 MB) used to stall the loop for seconds (with the
+    line bound lifted: it refuses them now, next test)."""
     import time
 
-    p = SSEParser(max_event_bytes=5_000_000)
+    p = SSEParser(max_event_bytes=5_000_000, free_lines=10**9)
     stream = b"data: x\n" * 520_000 + b"\n"
     start = time.process_time()
     (event,) = p.feed(stream)
     assert len(event) == 2 * 520_000 - 1
     assert time.process_time() - start < 2.0  # quadratic joining took 26 s here
+
+
+@pytest.mark.parametrize("filler", [b"\n", b":\n\n", b"data: x\n", b"event: e\n\n",
+                                    b": keep-alive\r\n\r\n"])
+def test_lines_under_the_minimum_on_average_fail_before_the_loop_parses_them(filler):
+    """Past FREE_LINES, lines must bring MIN_LINE_BYTES on average: four MiB of blank
+    lines cost the router 1.7 s through Envoy. The count is taken in C before the loop,
+    so the chunk that overdraws fails without being parsed; the free lines parse."""
+    import time
+
+    p = SSEParser()
+    assert p.feed(filler * (FREE_LINES // filler.count(b"\n"))) == []
+    start = time.process_time()
+    with pytest.raises(SSEError, match=f"under {MIN_LINE_BYTES} bytes on average "
+                                       f"\\(past the first {FREE_LINES} lines\\)"):
+        p.feed(filler * 500_000)
+    assert time.process_time() - start < 0.05  # parsing them took ~0.2-0.5 s
+
+
+def test_lines_of_token_events_leave_credit_for_keepalives_and_blank_lines():
+    """Token events parsed in the loop (split across chunks) bring ~100-300 bytes a line:
+    a stream of them may carry comments and blank lines beyond the free ones."""
+    p = SSEParser()
+    event = (b'data: {"id":"chatcmpl-8f3a2c","object":"chat.completion.chunk","created":'
+             b'1733100000,"model":"narwhal-sim","choices":[{"index":0,"delta":{"content":'
+             b'" tusk"},"logprobs":null,"finish_reason":null,"token_ids":[1042]}]}\n\n')  # vLLM's
+    out = []
+    for _ in range(2000):
+        out += p.feed(event[:20])  # split: the line loop parses each
+        out += p.feed(event[20:] + b": keep-alive\n\n")
+    assert len(out) == 2000 and out[0] == event[6:-2]
 
 
 def test_a_line_in_one_byte_chunks_is_linear():
@@ -93,7 +125,7 @@ def test_an_event_held_in_pieces_takes_about_its_bytes(shape):
     import tracemalloc
 
     line = b"xy" * 250_000
-    p = SSEParser(1_048_576)
+    p = SSEParser(1_048_576, free_lines=10**9)  # two-byte lines: the line bound lifted
     tracemalloc.start()
     if shape == "two-byte lines":
         assert p.feed(b"data:ab\n" * 120_000) == []

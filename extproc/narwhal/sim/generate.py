@@ -56,12 +56,16 @@ FAULTS = frozenset(
         "cut-short",
         "overrun",
         "dribble",
+        "blank-lines",
+        "padding",
         "slow-start",
         "omit-usage",
         "stall",
         "keepalive",
     }
 )
+FILLER_BYTES = 4 << 20  # what the ``blank-lines`` and ``padding`` faults send at once
+FILLERS = {"blank-lines": b"\n", "padding": b": " + b"x" * 4092 + b"\n\n"}  # repeated
 OUTPUTS = frozenset({"refusal", "function-call", "multi-tool"})
 DIALECTS = frozenset({"vllm", "openai"})
 REASONING_MODES = frozenset({"none", "reasoning", "reasoning_content", "both"})
@@ -706,6 +710,11 @@ def stream_events(plan: Plan) -> Iterator[tuple[str, bytes]]:
         if plan.fault == "abrupt-close" and step_no == 3:
             yield "abort", b""
             return
+        if plan.fault in FILLERS and step_no == 3:
+            # After the third token, bytes that carry nothing: four MiB of blank lines, or
+            # of SSE comments 4 KiB long (a broken engine, or a proxy padding the stream).
+            line = FILLERS[plan.fault]
+            yield "filler", line * (FILLER_BYTES // len(line))
         if plan.fault == "cut-short" and step_no == 3:
             # The body ends cleanly mid-answer, as a close-delimited body does when the
             # engine dies, or a proxy in front of it ends a chunked body on its timeout:
