@@ -112,6 +112,33 @@ def test_an_answer_ending_without_done_is_whole_only_with_its_finish_reason(stre
         assert "ended before its answer did" in last.error.message
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_an_event_nested_too_deep_to_write_is_the_engines_fault(held):
+    """orjson reads 1,024 levels and writes 254. A streaming client's events are written
+    again when Narwhal hides the token IDs it asked for (and the final one is held for the
+    usage frame's metadata): an event nested 300 deep raised orjson's TypeError out of the
+    exchange, a 500 'internal router error'. It is the engine's malformed output: the
+    client's error event names it, the request counts failed, nothing stays held."""
+    router = ready_router({"max_request_bytes": 1000})
+    ex = Exchange(router)
+    admit(ex, orjson.dumps(orjson.loads(BODY) | {"stream": True}))
+    ex.response_headers({":status": "200", "content-type": "text/event-stream"}, False)
+    deep = b"[" * 300 + b"]" * 300
+    first = b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[5]}]}\n\n'
+    final = (b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop","token_ids":[],'
+             b'"x_extra":' + deep + b'}]}\n\n')
+    if not held:
+        first = first.replace(b'"token_ids"', b'"x_extra":' + deep + b',"token_ids"')
+    out = b"".join(a.data for a in ex.response_body(first, False))
+    out += b"".join(a.data for a in ex.response_body(final + b"data: [DONE]\n\n", True))
+    ex.close()
+    assert out.endswith(b'"engine event nested deeper than 254 levels","type":"upstream_error",'
+                        b'"param":null,"code":"bad_engine_response"}}\n\n')
+    assert (b'"content":"a"' in out) is held  # the tokens before it reached the client
+    assert router.accounting.terminal["failed"] == 1 and router.accounting.in_flight == 0
+    assert router.engines[0].in_flight == 0 and router.held_bytes == 0
+
+
 def test_redelivered_final_chunk_is_ignored(router):
     ex = Exchange(router)
     admit(ex)

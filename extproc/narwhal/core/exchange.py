@@ -9,6 +9,7 @@ and a queued request the scheduler placed is sent when the adapter calls
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -684,7 +685,9 @@ class Exchange:
         anything else gets the error response."""
         if self.relay is not None and self.client_headers_sent:
             out = [] if out is None else out
-            self._flush_relay(out)
+            # a held event that cannot be written is dropped: the error event says why
+            with contextlib.suppress(EngineOutputError):
+                self._flush_relay(out)
             out.append(err.sse_event())
             self._finish(errors.FAILED)
             return [Body(True, b"".join(out), True)]

@@ -14,11 +14,27 @@ from typing import Any
 
 import orjson
 
+from .meter import EngineOutputError
+
 DONE = b"data: [DONE]\n\n"
 
 
 def _frame(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
+
+
+def _written(event: dict[str, Any]) -> bytes:
+    """An event changed for the client, as JSON."""
+    try:
+        return orjson.dumps(event)
+    except orjson.JSONEncodeError:
+        raise _too_deep() from None
+
+
+def _too_deep() -> EngineOutputError:
+    """orjson reads 1,024 levels of nesting and writes 254: an event nested between them
+    is the engine's malformed output (not a fault of Narwhal's, a 500, as it was)."""
+    return EngineOutputError("engine event nested deeper than 254 levels")
 
 
 class Relay:
@@ -74,7 +90,12 @@ class Relay:
             out = self.flush()
             self.held = event
             return out
-        return _frame(orjson.dumps(event) if changed else raw)
+        if changed:
+            try:  # inline: this runs for every token event a client gets without its IDs
+                raw = orjson.dumps(event)
+            except orjson.JSONEncodeError:
+                raise _too_deep() from None
+        return _frame(raw)
 
     def _usage_frame(self, event: dict[str, Any]) -> bytes | None:
         """The usage-only frame Narwhal asked for, not the client: keep its metadata only."""
@@ -90,4 +111,4 @@ class Relay:
     def flush(self) -> bytes | None:
         """Release the held final event (the stream ends, or another event follows)."""
         held, self.held = self.held, None
-        return None if held is None else _frame(orjson.dumps(held))
+        return None if held is None else _frame(_written(held))
