@@ -375,6 +375,34 @@ def test_an_engine_sending_megabytes_of_blank_lines_is_failed_and_padding_is_not
     assert after["completed"] == before["completed"] + 2
 
 
+def test_an_engine_keeping_its_body_open_after_done_is_a_whole_answer(paced_stack):
+    """The engine sends its whole answer and ``[DONE]``, then keeps the body open (the
+    simulator's ``linger``). A non-streaming client waited the stall timeout (30 s) for a
+    504 ``engine_stalled``; a streaming one got Narwhal's error event after ``[DONE]``;
+    both counted failed, and the official client, which closes at ``[DONE]``, counted
+    cancelled. Now ``[DONE]`` ends the answer: the response ends a second after it
+    (``ANSWERED_GRACE_S``) whether or not the engine's body has, and each counts
+    completed."""
+    before = settled(paced_stack)["requests"]["terminal"]
+    client = client_for(paced_stack)
+    linger = {"x-sim-fault": "linger"}
+    whole = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=6,
+                                           extra_headers=linger)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=MSGS, max_tokens=6, stream=True, extra_headers=linger))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        whole.choices[0].message.content  # the simulator answers a prompt the same way
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 6, "stream": True}
+    read = httpx.post(f"{paced_stack.url}/v1/chat/completions", json=body, timeout=60,
+                      headers=linger)  # read to the response's end
+    assert read.status_code == 200 and read.text.endswith("data: [DONE]\n\n")
+    assert read.text.count("data: [DONE]") == 1 and "error" not in read.text
+    after = settled(paced_stack)["requests"]["terminal"]
+    assert after["completed"] == before["completed"] + 3
+    assert after["failed"] == before["failed"] and after["cancelled"] == before["cancelled"]
+
+
 def test_client_leaving_mid_stream_is_cancelled(paced_stack):
     before = settled(paced_stack)["requests"]["terminal"]
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 50, "stream": True}

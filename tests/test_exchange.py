@@ -6,7 +6,15 @@ import orjson
 import pytest
 
 from narwhal.config import parse
-from narwhal.core.exchange import DESTINATION_HEADER, Body, Exchange, Headers, Immediate, Trailers
+from narwhal.core.exchange import (
+    ANSWERED_GRACE_S,
+    DESTINATION_HEADER,
+    Body,
+    Exchange,
+    Headers,
+    Immediate,
+    Trailers,
+)
 from narwhal.core.router import Router
 from narwhal.server.driver import Driver, Runtime
 from narwhal.sim.generate import SimOptions, make_plan, stream_events
@@ -572,6 +580,47 @@ def responding(stream: bool) -> tuple[list[float], Router, Exchange, list[bytes]
     first = engine_stream(up).split(b"\n\n")
     ex.response_body(first[0] + b"\n\n" + first[1] + b"\n\n", False)
     return now, router, ex, first
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("ending", ["body end", "grace", "close"])
+def test_after_done_nothing_is_read_and_the_answer_ends_whole(stream, ending):
+    """[DONE] ends the answer (``Phase.ANSWERED``): events after it, in its chunk or
+    later, are neither relayed nor counted. The request completes when the engine's body
+    ends, or ANSWERED_GRACE_S after [DONE] if it stays open (it ended as engine_stalled,
+    failed, a stall timeout later; a stream's client got an error event after [DONE]), or,
+    for a stream whose client has [DONE], when the client closes first (it counted
+    cancelled: the openai client closes at [DONE])."""
+    now, router, ex, events = responding(stream)
+    late = events[2] + b"\n\n"  # a token event after [DONE]: not part of the answer
+    assert events[-2:] == [b"data: [DONE]", b""]
+    out = [a for e in events[2:-2] for a in ex.response_body(e + b"\n\n", False)]
+    out += ex.response_body(b"data: [DONE]\n\n" + late, False)
+    assert ex.wake_at == pytest.approx(now[0] + ANSWERED_GRACE_S)  # not the stall timeout
+    out += ex.response_body(late, False)
+    if ending == "body end":
+        out += ex.response_body(late, True)
+    elif ending == "grace":
+        now[0] += ANSWERED_GRACE_S / 2
+        assert ex.expire() == [] and ex.terminal is None  # woken early: asks again
+        now[0] = ex.wake_at
+        out += ex.expire()
+    else:
+        ex.close()
+    if ending != "close" or stream:
+        assert router.accounting.terminal["completed"] == 1
+        assert router.engines[0].output_tokens == 4 and router.engines[0].in_flight == 0
+    if stream:
+        data = b"".join(a.data for a in out)
+        assert data.count(b"data: [DONE]") == 1 and data.endswith(b"data: [DONE]\n\n")
+        assert data.count(b'"content"') == 3  # tokens 2-4 (the first went before), once each
+        assert ending == "close" or out[-1].end_of_stream
+    elif ending != "close":
+        headers, body = out[-2:]
+        assert isinstance(headers, Headers) and body.end_of_stream
+        assert orjson.loads(body.data)["usage"]["completion_tokens"] == 4
+    ex.close()
+    assert router.accounting.in_flight == 0 and router.held_bytes == 0
 
 
 def assert_stalled(actions: list, stream: bool) -> None:

@@ -76,6 +76,11 @@ MIN_PIECE_BYTES = 64
 MIN_RESPONSE_PIECE_BYTES = 32
 # An engine's answer that ends with neither a finish_reason nor [DONE] (``Meter.whole``).
 CUT_SHORT = "engine stream ended before its answer did (no finish_reason, no DONE event)"
+# After [DONE] the answer is whole (``Phase.ANSWERED``): what follows is not read, and the
+# engine's body is awaited this long before Narwhal ends the client's response itself
+# (ending it at [DONE] would make Envoy reset the upstream connection whenever the body's
+# end comes in a later read: a new connection to vLLM for some requests, measured).
+ANSWERED_GRACE_S = 1.0
 
 
 @dataclass(slots=True)
@@ -115,6 +120,7 @@ class Phase(Enum):
     QUEUED = auto()
     UPSTREAM = auto()
     RESPONSE_BODY = auto()
+    ANSWERED = auto()  # [DONE] came: the answer is whole, the engine's body not yet ended
     DONE = auto()
 
 
@@ -520,7 +526,9 @@ class Exchange:
                 self._settle_passthrough()
             return [Body(True, chunk, end_of_stream)]
         if self.phase is not Phase.RESPONSE_BODY:
-            return []
+            if self.phase is Phase.ANSWERED and end_of_stream:
+                return self._answered_end()
+            return []  # after [DONE]: nothing more is read (nor relayed, nor counted)
         if self.upstream_error:
             return self._upstream_error(chunk, end_of_stream)
         # The pieces bound as one running balance (this runs for every token event):
@@ -554,13 +562,14 @@ class Exchange:
         assert meter is not None and relay is not None
         out: list[bytes] = []
         tokens = 0
+        answered = False
         try:
             for raw in self._events(chunk, end_of_stream):
                 if raw == b"[DONE]":
                     self._flush_relay(out)
                     out.append(DONE)
-                    meter.done = True
-                    continue
+                    meter.done = answered = True
+                    break  # what follows [DONE] is no part of the answer
                 event = _decode(raw)
                 tokens += meter.observe(event, raw)
                 if reply is not None:
@@ -574,6 +583,8 @@ class Exchange:
             return self._stream_error(out, exc)
         if tokens:
             self._tokens(tokens)
+        if answered:
+            self._answered()
         partial = self.parser.held()  # an event the engine is still sending (not a token's)
         if reply is not None:
             partial += reply.held  # and the reply's text, for the prefix index
@@ -615,11 +626,12 @@ class Exchange:
         if self.response_bytes > limit:
             raise EngineOutputError(f"engine response exceeds serving.max_response_bytes ({limit})")
         tokens = 0
+        answered = False
         try:
             for raw in self._events(chunk, end_of_stream):
                 if raw == b"[DONE]":
-                    meter.done = True
-                    continue
+                    meter.done = answered = True
+                    break  # what follows [DONE] is no part of the answer
                 event = _decode(raw)
                 tokens += meter.observe(event, raw)
                 assembler.feed(event)
@@ -629,11 +641,19 @@ class Exchange:
             return self._engine_refusal(exc)
         if tokens:
             self._tokens(tokens)
+        if answered:
+            self._answered()
         held = assembler.held + self.parser.held()  # and the event still being received
         if held > self.response_held and (ended := self._outgrown(held)):
             return ended
         if not end_of_stream:
             return []
+        return self._assembled()
+
+    def _assembled(self) -> list[Action]:
+        """The engine's answer ended: the assembled response, or the failure to make one."""
+        meter, assembler = self.meter, self.assembler
+        assert meter is not None and assembler is not None
         if not meter.whole:
             return self._end_failed(errors.engine_failure(CUT_SHORT))
         usage = meter.usage or self._computed_usage()
@@ -643,6 +663,22 @@ class Exchange:
         return [Headers(True, set=[("content-type", "application/json"),
                                    ("content-length", str(len(body))), *self._info_headers()]),
                 *_bodies(True, body)]
+
+    def _answered(self) -> None:
+        """[DONE] came (``Phase.ANSWERED``): the engine's body gets ``ANSWERED_GRACE_S`` to
+        end, as vLLM's does at once, before the client's response is ended without it."""
+        if self.phase is Phase.RESPONSE_BODY:
+            self.phase = Phase.ANSWERED
+            self.engine_seen = self.router.clock()
+            self._arm(self.engine_seen + ANSWERED_GRACE_S)
+
+    def _answered_end(self) -> list[Action]:
+        """End an answered request (the engine's body ended, or the grace ran out): a
+        stream's client already has every event and ``[DONE]``; an assembly goes now."""
+        if self.relay is None:
+            return self._assembled()
+        self._finish(errors.COMPLETED)
+        return [Body(True, b"", True)]
 
     def _engine_refusal(self, exc: EngineErrorEvent) -> list[Action]:
         """The engine refused the request in its stream before any token: a non-streaming
@@ -813,6 +849,12 @@ class Exchange:
         now = self.router.clock()
         if self.phase is Phase.RESPONSE_BODY:
             return self._stall_check(now)
+        if self.phase is Phase.ANSWERED:
+            end = self.engine_seen + ANSWERED_GRACE_S
+            if now >= end - TIMER_SLACK:
+                return self._answered_end()  # the engine keeps its body open past [DONE]
+            self._arm(end)
+            return []
         if self.client_headers_sent:
             return []
         # The phase's own wait, watched beside the deadline: the body's arrival, or the
@@ -902,7 +944,11 @@ class Exchange:
         if not self.completion:
             self._settle_passthrough()
         elif self.terminal is None:
-            if self.phase in (Phase.UPSTREAM, Phase.RESPONSE_BODY):
+            if self.phase is Phase.ANSWERED and self.relay is not None:
+                # The client has every event and [DONE] (a client may close there before
+                # the engine's body ends): a whole answer, not a cancel.
+                self._finish(errors.COMPLETED)
+            elif self.phase in (Phase.UPSTREAM, Phase.RESPONSE_BODY, Phase.ANSWERED):
                 self._release(errors.CANCELLED)
                 self.router.control.closed(self, self.router.clock())
             else:

@@ -58,6 +58,7 @@ FAULTS = frozenset(
         "dribble",
         "blank-lines",
         "padding",
+        "linger",
         "slow-start",
         "omit-usage",
         "stall",
@@ -727,6 +728,8 @@ def stream_events(plan: Plan) -> Iterator[tuple[str, bytes]]:
             # comments (as some proxies do): bytes, never a token.
             yield "keepalive", b""
     yield "done", b"data: [DONE]\n\n"
+    if plan.fault == "linger":
+        yield "stall", b""  # the answer is whole, but the body stays open after [DONE]
 
 
 def full_response(plan: Plan) -> dict[str, Any]:
