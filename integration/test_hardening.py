@@ -352,7 +352,7 @@ def test_an_engine_sending_megabytes_of_blank_lines_is_failed_and_padding_is_not
         paced_stack, stream):
     """After its third token the engine sends 4 MiB of blank lines (legal SSE, nothing in
     them): each line cost the router's parser ~0.4 us, 1.4-1.8 s of its CPU for these
-    (Envoy's: 0.02 s), and the request completed. Past the first 1,024 lines, lines must
+    (Envoy's: 0.02 s), and the request completed. Past the first 65,536 lines, lines must
     average 32 bytes: the request fails at once, the client told why. The same 4 MiB as
     SSE comments 4 KiB long (``padding``) cost ~0.02 s and the answer is whole."""
     before = settled(paced_stack)["requests"]["terminal"]
@@ -368,7 +368,7 @@ def test_an_engine_sending_megabytes_of_blank_lines_is_failed_and_padding_is_not
     resp = httpx.post(url, json=body, timeout=60, headers={"x-sim-fault": "blank-lines"})
     last = final_error(resp, stream)
     assert last["error"] == {
-        "message": "engine sent lines of under 32 bytes on average (past the first 1024 lines)",
+        "message": "engine sent lines of under 32 bytes on average (past the first 65536 lines)",
         "type": "upstream_error", "param": None, "code": "bad_engine_response"}
     after = settled(paced_stack)["requests"]["terminal"]
     assert after["failed"] == before["failed"] + 1
