@@ -26,7 +26,7 @@ from . import pieces
 # event's line is 100-300 bytes, its blank line 1); whole one-line events on the fast
 # paths below are not counted at all, so the free lines are what keep-alive comments
 # between them may use: 65,536 (~20-30 ms of the loop, what the answer's free pieces
-# cost), a comment a second for 18 hours.
+# cost), a keep-alive comment a second for 11 hours.
 FREE_LINES = 65_536
 MIN_LINE_BYTES = 32
 
