@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.core.meter import EngineOutputError, Meter
+from narwhal.core.meter import FREE_EMPTY_EVENTS, EngineOutputError, Meter
 from narwhal.core.relay import Relay
 from narwhal.core.tokens import TokenIdError, count_token_ids
 
@@ -178,3 +178,21 @@ def test_relay_keeps_ids_when_requested():
     r = Relay(expose_ids=True, include_usage=False)
     # Nothing to strip: the engine's bytes go out unchanged, IDs included.
     assert r.event({"choices": [{"index": 0, "token_ids": [1]}]}, b"raw") == b"data: raw\n\n"
+
+
+@pytest.mark.parametrize("token_ids", [True, False])
+def test_events_without_output_are_bounded_by_the_answers_tokens(token_ids):
+    """An answer has a few events without output (role, finish_reason, usage). Past
+    FREE_EMPTY_EVENTS of them it fails, however many tokens came: 4 MiB of
+    ``{"choices":[]}`` cost ~0.3 s to parse and were relayed whole. The check runs only
+    on events without tokens, off a token event's path."""
+    meter = Meter(chat=True, token_ids=token_ids, max_tokens=10_000)
+    token = {"choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [7]}]}
+    empty = {"choices": []}
+    for _ in range(3000):
+        assert meter.observe(token) == 1
+    for _ in range(FREE_EMPTY_EVENTS):
+        assert meter.observe(empty) == 0
+    with pytest.raises(EngineOutputError, match=f"over {FREE_EMPTY_EVENTS} events without out"):
+        meter.observe(empty)
+    assert meter.output_tokens == 3000

@@ -58,6 +58,7 @@ FAULTS = frozenset(
         "dribble",
         "blank-lines",
         "padding",
+        "empty-events",
         "linger",
         "slow-start",
         "omit-usage",
@@ -66,7 +67,8 @@ FAULTS = frozenset(
     }
 )
 FILLER_BYTES = 4 << 20  # what the ``blank-lines`` and ``padding`` faults send at once
-FILLERS = {"blank-lines": b"\n", "padding": b": " + b"x" * 4092 + b"\n\n"}  # repeated
+FILLERS = {"blank-lines": b"\n", "padding": b": " + b"x" * 4092 + b"\n\n",  # repeated
+           "empty-events": b'data: {"choices":[]}\n\n'}
 OUTPUTS = frozenset({"refusal", "function-call", "multi-tool"})
 DIALECTS = frozenset({"vllm", "openai"})
 REASONING_MODES = frozenset({"none", "reasoning", "reasoning_content", "both"})
@@ -712,8 +714,9 @@ def stream_events(plan: Plan) -> Iterator[tuple[str, bytes]]:
             yield "abort", b""
             return
         if plan.fault in FILLERS and step_no == 3:
-            # After the third token, bytes that carry nothing: four MiB of blank lines, or
-            # of SSE comments 4 KiB long (a broken engine, or a proxy padding the stream).
+            # After the third token, bytes that carry nothing: four MiB of blank lines, of
+            # SSE comments 4 KiB long (a broken engine, or a proxy padding the stream), or
+            # of events without output.
             line = FILLERS[plan.fault]
             yield "filler", line * (FILLER_BYTES // len(line))
         if plan.fault == "cut-short" and step_no == 3:
