@@ -179,7 +179,7 @@ class Exchange:
         self.client_headers_sent = False
         self.last_token_at = 0.0
         self.strip: list[str] = []  # client headers not to forward
-        self.engine_seen = 0.0  # its response headers, then its latest output token
+        self.engine_seen = 0.0  # its response headers, its latest output token, its [DONE]
         self.request_id = ""  # Envoy's x-request-id: how its access log names this exchange
         self.candidates: frozenset[str] | None = None  # endpoints allowed (subset hint)
         self.decided_at: float | None = None  # when admission answered

@@ -66,7 +66,7 @@ FAULTS = frozenset(
         "keepalive",
     }
 )
-FILLER_BYTES = 4 << 20  # what the ``blank-lines`` and ``padding`` faults send at once
+FILLER_BYTES = 4 << 20  # what each filler fault (FILLERS) sends at once
 FILLERS = {"blank-lines": b"\n", "padding": b": " + b"x" * 4092 + b"\n\n",  # repeated
            "empty-events": b'data: {"choices":[]}\n\n'}
 OUTPUTS = frozenset({"refusal", "function-call", "multi-tool"})
