@@ -1,12 +1,9 @@
 from __future__ import annotations
 
-import dataclasses
-import re
-
 import pytest
 import yaml
 
-from narwhal.config import Config, ConfigError, Discovery, EngineConfig, load, parse
+from narwhal.config import Config, ConfigError, load, parse
 
 DESIGN_EXAMPLE = """
 serving:   {model: narwhal-sim, max_request_bytes: 1048576}
@@ -143,77 +140,3 @@ def test_ttft_target_within_its_maximum():
         parse({"admission": {"ttft_target_ms": 70_000}})
     assert parse({"admission": {"ttft_target_ms": 70_000, "max_ttft_target_ms": 70_000}})
 
-
-# -- the README's configuration reference -----------------------------------------------
-def _table() -> list[tuple[list[str], str, str]]:
-    """The README's configuration table, a row each: the names in its key cell, its
-    default cell and the whole row."""
-    from narwhal.launch import REPO_ROOT
-
-    text = (REPO_ROOT / "README.md").read_text()
-    table = text[text.index("## Configuration"):text.index("## The simulator")]
-    rows = []
-    for line in table.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| `") and len(cells) >= 3:
-            rows.append((re.findall(r"`([^`]+)`", cells[0]), cells[1], line))
-    return rows
-
-
-def _documented() -> dict[str, str]:
-    """Each key the table names and the default written beside it (a row naming several
-    keys gives as many defaults, comma-separated)."""
-    out = {}
-    for keys, default, _ in _table():
-        parts = default.split(", ") if len(keys) > 1 else [default]
-        for i, key in enumerate(keys):
-            out[key] = parts[i] if len(parts) == len(keys) else default
-    return out
-
-
-def _written(value: object) -> str:
-    """A default as the README writes it."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f"`{value}`" if value else '""'
-    if isinstance(value, tuple):
-        return "`[" + ", ".join(value) + "]`"
-    if isinstance(value, dict):
-        return "`{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}`"
-    return str(value)
-
-
-SECTIONS = ("serving", "admission", "scheduler", "telemetry", "sizing", "router")
-
-
-def test_the_readme_documents_every_key_with_its_default():
-    """A key missing from the reference, or a default that moved without it, is a user
-    tuning a setting they cannot find or reading a value the router does not use."""
-    rows = _documented()
-    whole = {keys[0]: line for keys, _, line in _table()}
-    defaults = Config()
-    missing, wrong = [], []
-    for section in SECTIONS:
-        part = getattr(defaults, section)
-        for f in dataclasses.fields(part):
-            value = getattr(part, f.name)
-            key = f"{section}.{f.name}"
-            if dataclasses.is_dataclass(value):  # one row, `key.*`, naming each field
-                row = whole.get(f"{key}.*", "")
-                missing += [f"{key}.{g.name}" for g in dataclasses.fields(value)
-                            if f"`{g.name}`" not in row]
-            elif key not in rows:
-                missing.append(key)
-            elif rows[key].split(" (")[0].strip("`") != _written(value).strip("`"):
-                wrong.append(f"{key}: README {rows[key]!r}, code {_written(value)!r}")
-    assert not missing, f"keys the README's configuration table does not name: {missing}"
-    assert not wrong, wrong
-
-
-@pytest.mark.parametrize("cls", [EngineConfig, Discovery])
-def test_the_readme_names_every_engine_and_discovery_key(cls):
-    first = "engines[]" if cls is EngineConfig else "engines: {discovery"
-    rows = [line for keys, _, line in _table() if keys[0].startswith(first)]
-    named = " ".join(rows)
-    assert rows and [f.name for f in dataclasses.fields(cls) if f"`{f.name}`" not in named] == []
