@@ -95,3 +95,31 @@ def test_the_simulators_faults_are_the_ones_the_readme_lists():
     listed = re.search(r"x-sim-fault: ([a-z| \n-]+)`", text)
     assert listed is not None
     assert set(listed.group(1).replace("|", " ").split()) == FAULTS
+
+
+def _metric_names() -> set[str]:
+    """Every family the admin port exports, as a scrape names it (a counter with
+    ``_total``): from the collectors themselves, with leader election and a worker."""
+    from narwhal.config import parse
+    from narwhal.core.router import Router
+    from narwhal.server.metrics import RouterCollector, WorkersCollector
+
+    router = Router(parse({"engines": [{"name": "a", "url": "http://127.0.0.1:9"}],
+                           "router": {"leader_election": {"enabled": True}}}))
+    assert router.leadership is not None
+    worker = {"index": 0, "up": True, "restarts": 0, "streams": 0, "handoffs": 0,
+              "cpu_seconds": 0.0, "rss_bytes": 0, "gc_collected": 0, "gc_uncollectable": 0}
+    families = [*RouterCollector(router).collect(), *WorkersCollector(lambda: [worker]).collect()]
+    return {m.name + ("_total" if m.type == "counter" else "") for m in families}
+
+
+def test_the_readme_names_every_metric():
+    """The admin section names each series in full, or by its suffix after the
+    ``narwhal_engine`` or ``narwhal_worker`` it follows (``_healthy``)."""
+    text = _section("## Admin endpoints", "## Active/standby")
+    names = _metric_names()
+    assert len(names) > 30
+    missing = [n for n in sorted(names) if f"`{n}" not in text and not any(
+        n.startswith(p) and f"`{n[len(p):]}`" in text
+        for p in ("narwhal_engine", "narwhal_worker"))]
+    assert missing == []
