@@ -28,22 +28,35 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
+import yaml
 
 from bench import messages, scratch, vllm_router_exe
-from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, plain_envoy, wait_http
+from narwhal.launch import (
+    REPO_ROOT,
+    SimSpec,
+    Stack,
+    envoy_binary,
+    free_port,
+    plain_envoy,
+    render_envoy,
+    wait_http,
+)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 MODEL = "narwhal-sim"
@@ -129,7 +142,7 @@ def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
                 peer: bool) -> list[Route]:
     paths: list[Route] = []
     stacks = {}
-    for cfg in configs:
+    for cfg in (c for c in configs if c != "null"):
         serving: dict = {"transport": transport,
                          "extproc_socket": str(Path(tempfile.mkdtemp(prefix="nw-")) / "x.sock")}
         if cfg == "workers2":
@@ -158,6 +171,8 @@ def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
 
         paths.append(Route("vllm-router", f"http://127.0.0.1:{router_port}",
                            {"vllm-router": router.pid}, stop_router))
+    if "null" in configs:
+        paths.append(null_path(sim, workdir))
     for cfg, stack in stacks.items():
         pid = stack.proc("narwhal").popen.pid
         pids = {"envoy": stack.proc("envoy").popen.pid, "narwhal": pid}
@@ -166,6 +181,50 @@ def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
         paths.append(Route(f"narwhal-{cfg}", stack.url, pids, stack.stop,
                            frozenset({"scheduler"})))
     return paths
+
+
+def _listening(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+def null_path(sim: SimSpec, workdir: Path) -> Route:
+    """Envoy (the shipped config, over a Unix socket as the others) and the null processor
+    (``bench.null_extproc``: Narwhal's transport answering with no logic), against a
+    simulator of its own: the floor of any Python processor in Narwhal's place."""
+    sims = Stack(sims=[dataclasses.replace(sim, port=0)], workdir=workdir).start_sims()
+    sim_port = sims.sims[0].port
+    sock = str(Path(tempfile.mkdtemp(prefix="nw-")) / "null.sock")
+    log = open(workdir / "null-extproc.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "bench.null_extproc", "--socket", sock,
+                             "--destination", f"127.0.0.1:{sim_port}"], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT)
+    deadline = time.monotonic() + 30
+    while not _listening(sock):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"bench: the null processor did not start ({workdir})")
+        time.sleep(0.05)
+    port, admin = free_port(), free_port()
+    cfg = render_envoy(port, admin, 0, engines=[f"127.0.0.1:{sim_port}"], extproc_socket=sock)
+    path = workdir / "envoy-null.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    envoy = subprocess.Popen([envoy_binary(), "-c", str(path), "--log-level", "warn",
+                              "--base-id", str(port), "--disable-hot-restart"],
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_http(f"http://127.0.0.1:{admin}/ready", 30, envoy)
+
+    def stop() -> None:
+        for p in (envoy, proc):
+            p.terminate()
+            p.wait()
+        sims.stop()
+
+    return Route("null-processor", f"http://127.0.0.1:{port}",
+                 {"envoy": envoy.pid, "narwhal": proc.pid}, stop)
 
 
 def measure(paths: list[Route], body: dict, connections: int, units_per_request: int,
@@ -274,6 +333,24 @@ def workers_line(rows: list[Row]) -> list[str]:
     return ["", *out] if out else []
 
 
+def floor_line(rows: list[Row]) -> list[str]:
+    """The null processor against Narwhal's default: what any Python processor on this
+    transport costs per unit, and Narwhal's own work above it, on each side of the socket."""
+    out = []
+    for workload in dict.fromkeys(r.workload for r in rows):
+        mine = next((r for r in rows if r.workload == workload and r.path == "narwhal-default"),
+                    None)
+        null = next((r for r in rows if r.workload == workload and r.path == "null-processor"),
+                    None)
+        if mine is None or null is None:
+            continue
+        floor, own = null.cpu["narwhal"], mine.cpu["narwhal"]
+        out.append(f"floor, {workload}: a processor with no logic {floor:.1f} us per "
+                   f"{mine.unit} (Envoy beside it {null.cpu['envoy']:.1f}); Narwhal {own:.1f}: "
+                   f"its own work {own - floor:.1f} us ({(own - floor) / own:.0%})")
+    return ["", *out] if out else []
+
+
 def criteria(rows: list[Row]) -> list[str]:
     """The data-path targets (the project's issue on this cost), each judged on this run:
     Narwhal's CPU against Envoy alone's and against an absolute bound, the stack's
@@ -362,13 +439,16 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per run")
     parser.add_argument("--reps", type=int, default=3, help="runs per path (median reported)")
     parser.add_argument("--connections", type=int, default=8, help="wrk connections for (a)")
-    parser.add_argument("--configs", default="default,wide,workers2",
-                        help="Narwhal configs to measure: default, wide, workers2")
+    parser.add_argument("--configs", default="default,wide,workers2,null",
+                        help="Narwhal configs to measure: default, wide, workers2; null: "
+                        "a processor on Narwhal's transport with no logic (the floor)")
     parser.add_argument("--transport", default="asyncio", choices=["asyncio", "grpcio"])
     parser.add_argument("--no-peer", dest="peer", action="store_false",
                         help="leave vllm-router out")
     parser.add_argument("--plot", type=Path, help="write a PNG of CPU per unit by path")
     args = parser.parse_args()
+    if not set(args.configs.split(",")) - {"null"}:
+        parser.error("--configs: name a Narwhal config besides null")
     if shutil.which("wrk") is None:
         print("bench: wrk not found (apt-get install wrk)", file=sys.stderr)
         return 2
@@ -393,7 +473,8 @@ def main() -> int:
     # What each engine of the pool adds to a request, in process (bench.messages).
     runs = messages.alternated(500, [(1, 0), (32, 0)], 3)
     per_engine = messages.slope({p: runs[p, 0] for p in (1, 32)}) * 1e6
-    for line in report(rows) + workers_line(rows) + criteria(rows) + capacity(rows, per_engine):
+    for line in (report(rows) + workers_line(rows) + floor_line(rows) + criteria(rows)
+                 + capacity(rows, per_engine)):
         print(line)
     if args.plot:
         plot(rows, args.plot)
