@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import signal
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from narwhal.config import Serving
 from narwhal.core.exchange import DESTINATION_HEADER, Action, Body, Headers, Trailers
-from narwhal.server.access_log import ACCESS_LOG_PATH
+from narwhal.server.access_log import ACCESS_LOG_PATH, AccessLogCall
 from narwhal.server.app import listen_grpc
 from narwhal.server.extproc import PROCESS_PATH, encode
 from narwhal.server.grpc_server import INVALID_ARGUMENT, Stream
@@ -78,25 +79,15 @@ class NullCall:
         pass
 
 
-class DiscardCall:
-    """Envoy's access-log stream (the shipped config logs failed requests to the ext_proc
-    cluster): read and dropped."""
-
-    def __init__(self, stream: Stream) -> None:
-        self.stream = stream
-
-    def on_message(self, data: bytes) -> None:
-        pass
-
-    def on_half_close(self) -> None:
-        self.stream.finish()
-
-    def on_cancel(self) -> None:
-        pass
+def _no_verdict(request_id: str, verdict: str) -> None:
+    """Nothing waits for a verdict here."""
 
 
 async def serve(socket_path: str, destination: str) -> None:
-    routes = {PROCESS_PATH: lambda st: NullCall(destination, st), ACCESS_LOG_PATH: DiscardCall}
+    # Envoy's access log of failed requests (the shipped config sends it to the ext_proc
+    # cluster) is read and its verdicts dropped: there are no requests to settle.
+    routes = {PROCESS_PATH: lambda st: NullCall(destination, st),
+              ACCESS_LOG_PATH: functools.partial(AccessLogCall, _no_verdict)}
     stop = await listen_grpc(Serving(), routes, None, socket_path)
     done = asyncio.Event()
     loop = asyncio.get_running_loop()

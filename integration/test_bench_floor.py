@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import httpx
 import orjson
-
 from bench.datapath import null_path
+
 from narwhal.launch import SimSpec
 
 from .conftest import MODEL
