@@ -2,7 +2,7 @@
 side by side in one run.
 
     python -m bench.datapath [--duration S] [--reps N] [--connections C]
-                             [--configs default,wide] [--transport asyncio|grpcio]
+                             [--configs default,wide,workers2,null] [--transport asyncio|grpcio]
                              [--plot PATH]
 
 Paths, each against its own simulator of the same kind:
@@ -14,6 +14,9 @@ Paths, each against its own simulator of the same kind:
                for every client, as through Envoy alone) and ``workers2`` (the default
                with ``serving.workers: 2``: the scheduler process and two workers; the
                scheduler's own CPU is also reported on its own)
+  null-processor  Envoy + ``bench.null_extproc`` (``--configs null``): Narwhal's transport
+               answering every message with no logic, the floor of any Python processor
+               in Narwhal's place (its CPU in the ``narwhal`` column)
 
 Workloads: (a) 16-token chat completions against an instant engine, non-streaming and
 streaming, ``--connections`` wrk connections; (b) paced streams, 5 ms per token x 64
@@ -199,32 +202,41 @@ def null_path(sim: SimSpec, workdir: Path) -> Route:
     sims = Stack(sims=[dataclasses.replace(sim, port=0)], workdir=workdir).start_sims()
     sim_port = sims.sims[0].port
     sock = str(Path(tempfile.mkdtemp(prefix="nw-")) / "null.sock")
-    log = open(workdir / "null-extproc.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "bench.null_extproc", "--socket", sock,
-                             "--destination", f"127.0.0.1:{sim_port}"], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT)
-    deadline = time.monotonic() + 30
-    while not _listening(sock):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"bench: the null processor did not start ({workdir})")
-        time.sleep(0.05)
-    port, admin = free_port(), free_port()
-    cfg = render_envoy(port, admin, 0, engines=[f"127.0.0.1:{sim_port}"], extproc_socket=sock)
-    path = workdir / "envoy-null.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    envoy = subprocess.Popen([envoy_binary(), "-c", str(path), "--log-level", "warn",
-                              "--base-id", str(port), "--disable-hot-restart"],
-                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    wait_http(f"http://127.0.0.1:{admin}/ready", 30, envoy)
+    log = open(workdir / "null-extproc.log", "wb")  # noqa: SIM115  (closed by stop)
+    procs: list[subprocess.Popen] = []
 
     def stop() -> None:
-        for p in (envoy, proc):
+        for p in reversed(procs):  # Envoy first
             p.terminate()
             p.wait()
+        log.close()
         sims.stop()
 
+    try:
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "bench.null_extproc", "--socket", sock,
+             "--destination", f"127.0.0.1:{sim_port}"], stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, cwd=REPO_ROOT))
+        deadline = time.monotonic() + 30
+        while not _listening(sock):
+            if procs[0].poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"bench: the null processor did not start ({workdir})")
+            time.sleep(0.05)
+        port, admin = free_port(), free_port()
+        cfg = render_envoy(port, admin, 0, engines=[f"127.0.0.1:{sim_port}"],
+                           extproc_socket=sock)
+        path = workdir / "envoy-null.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        procs.append(subprocess.Popen(
+            [envoy_binary(), "-c", str(path), "--log-level", "warn", "--base-id", str(port),
+             "--disable-hot-restart"], stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True))
+        wait_http(f"http://127.0.0.1:{admin}/ready", 30, procs[1])
+    except BaseException:
+        stop()
+        raise
     return Route("null-processor", f"http://127.0.0.1:{port}",
-                 {"envoy": envoy.pid, "narwhal": proc.pid}, stop)
+                 {"envoy": procs[1].pid, "narwhal": procs[0].pid}, stop)
 
 
 def measure(paths: list[Route], body: dict, connections: int, units_per_request: int,
