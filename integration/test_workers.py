@@ -16,6 +16,7 @@ import httpx
 import orjson
 import pytest
 import yaml
+from bench.datapath import cpu_seconds
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from narwhal.launch import SimSpec, free_port
@@ -81,13 +82,6 @@ def worker_series(stack) -> dict[tuple[str, str], float]:
     return out
 
 
-def proc_cpu(pid: int) -> float:
-    """User plus system seconds of a process, from /proc/PID/stat as the kernel counts."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def vm_rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
@@ -105,9 +99,9 @@ def test_each_workers_own_cpu_memory_and_collector_are_on_the_schedulers_metrics
     st = settled(two_workers)
     assert all(w["streams"] > n for w, n in zip(st["workers"], streams, strict=True))
     pids = {str(w["index"]): w["pid"] for w in st["workers"]}
-    cpu_before = {w: proc_cpu(pid) for w, pid in pids.items()}
+    cpu_before = {w: cpu_seconds(pid) for w, pid in pids.items()}
     after = worker_series(two_workers)
-    cpu_after = {w: proc_cpu(pid) for w, pid in pids.items()}
+    cpu_after = {w: cpu_seconds(pid) for w, pid in pids.items()}
     for w in ("0", "1"):
         # the worker's own CPU, read from /proc by its pid when /metrics was read (a
         # dozen requests may be under the kernel's 10 ms tick: no "it grew" check)

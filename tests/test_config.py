@@ -139,4 +139,3 @@ def test_ttft_target_within_its_maximum():
     with pytest.raises(ConfigError, match="max_ttft_target_ms"):
         parse({"admission": {"ttft_target_ms": 70_000}})
     assert parse({"admission": {"ttft_target_ms": 70_000, "max_ttft_target_ms": 70_000}})
-
