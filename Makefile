@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 HELM   := .tools/bin/helm
 
-.PHONY: demo test lint bench bench-scheduling bench-vllm clean containers vllm
+.PHONY: demo test lint bench bench-scheduling bench-vllm clean containers vllm native
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,10 +30,15 @@ containers:
 vllm:
 	PYTHON=$(PYTHON) scripts/vllm-env.sh
 
-test: $(STAMP) $(HELM) lint containers vllm
+# A C compiler and nghttp2's headers: the compiled null processor of the data-path
+# benchmark (bench/null_extproc.c), which its test builds.
+native:
+	scripts/native-tools.sh
+
+test: $(STAMP) $(HELM) lint containers vllm native
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(BIN)/pytest
 
-bench: $(STAMP)
+bench: $(STAMP) native
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench.datapath --plot docs/bench-datapath.png
 

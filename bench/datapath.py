@@ -2,7 +2,8 @@
 side by side in one run.
 
     python -m bench.datapath [--duration S] [--reps N] [--connections C]
-                             [--configs default,wide,workers2,null] [--transport asyncio|grpcio]
+                             [--configs default,wide,workers2,null,cnull]
+                             [--transport asyncio|grpcio]
                              [--plot PATH]
 
 Paths, each against its own simulator of the same kind:
@@ -17,6 +18,9 @@ Paths, each against its own simulator of the same kind:
   null-processor  Envoy + ``bench.null_extproc`` (``--configs null``): Narwhal's transport
                answering every message with no logic, the floor of any Python processor
                in Narwhal's place (its CPU in the ``narwhal`` column)
+  null-compiled  Envoy + ``bench/null_extproc.c`` (``--configs cnull``): the same
+               processor in C on nghttp2, the floor of any processor, and what Envoy
+               itself costs beside one that costs almost nothing
 
 Workloads: (a) 16-token chat completions against an instant engine, non-streaming and
 streaming, ``--connections`` wrk connections; (b) paced streams, 5 ms per token x 64
@@ -49,7 +53,7 @@ from pathlib import Path
 import orjson
 import yaml
 
-from bench import messages, scratch, vllm_router_exe
+from bench import messages, null_extproc, scratch, vllm_router_exe
 from narwhal.launch import (
     REPO_ROOT,
     SimSpec,
@@ -65,6 +69,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 MODEL = "narwhal-sim"
 PACED_TOKENS = 64
 PACED_CLIENTS = 64
+NULLS = ("null", "cnull")  # configs that are a null processor, not Narwhal
 
 
 def cpu_seconds(pid: int) -> float:
@@ -145,7 +150,7 @@ def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
                 peer: bool) -> list[Route]:
     paths: list[Route] = []
     stacks = {}
-    for cfg in (c for c in configs if c != "null"):
+    for cfg in (c for c in configs if c not in NULLS):
         serving: dict = {"transport": transport,
                          "extproc_socket": str(Path(tempfile.mkdtemp(prefix="nw-")) / "x.sock")}
         if cfg == "workers2":
@@ -174,8 +179,7 @@ def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
 
         paths.append(Route("vllm-router", f"http://127.0.0.1:{router_port}",
                            {"vllm-router": router.pid}, stop_router))
-    if "null" in configs:
-        paths.append(null_path(sim, workdir))
+    paths += [null_path(sim, workdir, compiled=c == "cnull") for c in configs if c in NULLS]
     for cfg, stack in stacks.items():
         pid = stack.proc("narwhal").popen.pid
         pids = {"envoy": stack.proc("envoy").popen.pid, "narwhal": pid}
@@ -195,14 +199,16 @@ def _listening(path: str) -> bool:
     return True
 
 
-def null_path(sim: SimSpec, workdir: Path) -> Route:
-    """Envoy (the shipped config, over a Unix socket as the others) and the null processor
-    (``bench.null_extproc``: Narwhal's transport answering with no logic), against a
-    simulator of its own: the floor of any Python processor in Narwhal's place."""
+def null_path(sim: SimSpec, workdir: Path, compiled: bool = False) -> Route:
+    """Envoy (the shipped config, over a Unix socket as the others) and a null processor
+    answering with no logic, against a simulator of its own: ``bench.null_extproc`` on
+    Narwhal's transport (the floor of any Python processor in Narwhal's place) or, with
+    ``compiled``, ``bench/null_extproc.c`` (the floor of any processor)."""
     sims = Stack(sims=[dataclasses.replace(sim, port=0)], workdir=workdir).start_sims()
     sim_port = sims.sims[0].port
     sock = str(Path(tempfile.mkdtemp(prefix="nw-")) / "null.sock")
-    log = open(workdir / "null-extproc.log", "wb")  # noqa: SIM115  (closed by stop)
+    name = "null-compiled" if compiled else "null-processor"
+    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115  (closed by stop)
     procs: list[subprocess.Popen] = []
 
     def stop() -> None:
@@ -213,10 +219,12 @@ def null_path(sim: SimSpec, workdir: Path) -> Route:
         sims.stop()
 
     try:
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "bench.null_extproc", "--socket", sock,
-             "--destination", f"127.0.0.1:{sim_port}"], stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, cwd=REPO_ROOT))
+        dest = f"127.0.0.1:{sim_port}"
+        cmd = (null_extproc.compiled_command(sock, dest, workdir) if compiled else
+               [sys.executable, "-m", "bench.null_extproc", "--socket", sock,
+                "--destination", dest])
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True, cwd=REPO_ROOT))
         deadline = time.monotonic() + 30
         while not _listening(sock):
             if procs[0].poll() is not None or time.monotonic() > deadline:
@@ -225,7 +233,7 @@ def null_path(sim: SimSpec, workdir: Path) -> Route:
         port, admin = free_port(), free_port()
         cfg = render_envoy(port, admin, 0, engines=[f"127.0.0.1:{sim_port}"],
                            extproc_socket=sock)
-        path = workdir / "envoy-null.yaml"
+        path = workdir / f"envoy-{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         procs.append(subprocess.Popen(
             [envoy_binary(), "-c", str(path), "--log-level", "warn", "--base-id", str(port),
@@ -235,7 +243,7 @@ def null_path(sim: SimSpec, workdir: Path) -> Route:
     except BaseException:
         stop()
         raise
-    return Route("null-processor", f"http://127.0.0.1:{port}",
+    return Route(name, f"http://127.0.0.1:{port}",
                  {"envoy": procs[1].pid, "narwhal": procs[0].pid}, stop)
 
 
@@ -346,20 +354,28 @@ def workers_line(rows: list[Row]) -> list[str]:
 
 
 def floor_line(rows: list[Row]) -> list[str]:
-    """The null processor against Narwhal's default: what any Python processor on this
-    transport costs per unit, and Narwhal's own work above it, on each side of the socket."""
+    """Each null processor against Narwhal's default: what any Python processor on this
+    transport, and any compiled one, costs per unit, what Envoy costs beside it, the
+    stack's throughput against Envoy alone's, and Narwhal's own work above the floor."""
+    def row(workload: str, path: str) -> Row | None:
+        return next((r for r in rows if r.workload == workload and r.path == path), None)
+
     out = []
     for workload in dict.fromkeys(r.workload for r in rows):
-        mine = next((r for r in rows if r.workload == workload and r.path == "narwhal-default"),
-                    None)
-        null = next((r for r in rows if r.workload == workload and r.path == "null-processor"),
-                    None)
-        if mine is None or null is None:
-            continue
-        floor, own = null.cpu["narwhal"], mine.cpu["narwhal"]
-        out.append(f"floor, {workload}: a processor with no logic {floor:.1f} us per "
-                   f"{mine.unit} (Envoy beside it {null.cpu['envoy']:.1f}); Narwhal {own:.1f}: "
-                   f"its own work {own - floor:.1f} us ({(own - floor) / own:.0%})")
+        mine, envoy = row(workload, "narwhal-default"), row(workload, "envoy")
+        for path, what in (("null-processor", "a Python processor with no logic"),
+                           ("null-compiled", "a compiled processor with no logic")):
+            null = row(workload, path)
+            if mine is None or null is None:
+                continue
+            floor, own = null.cpu["narwhal"], mine.cpu["narwhal"]
+            rate = f", {null.rate / envoy.rate:.1%} of Envoy alone's rate" if envoy else ""
+            line = (f"floor, {workload}: {what} {floor:.1f} us per {mine.unit} (Envoy beside "
+                    f"it {null.cpu['envoy']:.1f}{rate})")
+            if path == "null-processor":
+                line += f"; Narwhal {own:.1f}: its own work {own - floor:.1f} us " \
+                        f"({(own - floor) / own:.0%})"
+            out.append(line)
     return ["", *out] if out else []
 
 
@@ -451,16 +467,20 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per run")
     parser.add_argument("--reps", type=int, default=3, help="runs per path (median reported)")
     parser.add_argument("--connections", type=int, default=8, help="wrk connections for (a)")
-    parser.add_argument("--configs", default="default,wide,workers2,null",
+    parser.add_argument("--configs", default="default,wide,workers2,null,cnull",
                         help="Narwhal configs to measure: default, wide, workers2; null: "
-                        "a processor on Narwhal's transport with no logic (the floor)")
+                        "a processor on Narwhal's transport with no logic (the floor); "
+                        "cnull: the same compiled (C, nghttp2)")
     parser.add_argument("--transport", default="asyncio", choices=["asyncio", "grpcio"])
     parser.add_argument("--no-peer", dest="peer", action="store_false",
                         help="leave vllm-router out")
     parser.add_argument("--plot", type=Path, help="write a PNG of CPU per unit by path")
     args = parser.parse_args()
-    if not set(args.configs.split(",")) - {"null"}:
-        parser.error("--configs: name a Narwhal config besides null")
+    configs = args.configs.split(",")
+    if unknown := set(configs) - {"default", "wide", "workers2", *NULLS}:
+        parser.error(f"--configs: unknown {', '.join(sorted(unknown))}")
+    if not set(configs) - set(NULLS):
+        parser.error("--configs: name a Narwhal config besides the null processors")
     if shutil.which("wrk") is None:
         print("bench: wrk not found (apt-get install wrk)", file=sys.stderr)
         return 2

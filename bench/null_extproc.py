@@ -14,7 +14,9 @@ parsing of the answer, counting or learning.
 Why it exists: the data-path benchmark measures it side by side with Narwhal
 (``--configs null``), so that the CPU any Python processor in Narwhal's place costs per
 message (the floor its targets are judged against) and what Narwhal's own work adds
-above it are both measured, not argued.
+above it are both measured, not argued. ``null_extproc.c`` beside it is the same
+processor compiled (``--configs cnull``): the floor of any processor, and what Envoy
+itself costs beside one that costs almost nothing.
 """
 
 from __future__ import annotations
@@ -22,27 +24,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import shutil
 import signal
+import subprocess
+from pathlib import Path
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from narwhal.config import Serving
-from narwhal.core.exchange import DESTINATION_HEADER, Action, Body, Headers, Trailers
+from narwhal.core.exchange import DESTINATION_HEADER, Body, Headers, Trailers
 from narwhal.server.access_log import ACCESS_LOG_PATH, AccessLogCall
 from narwhal.server.app import listen_grpc
 from narwhal.server.extproc import PROCESS_PATH, encode
 from narwhal.server.grpc_server import INVALID_ARGUMENT, Stream
 from narwhal.server.loop import install_uvloop
 
+# Which of ``fixed_replies`` answers each message that is not a body.
+FIXED = {"request_headers": 0, "response_headers": 1, "request_trailers": 2,
+         "response_trailers": 3}
+
 
 class NullCall:
     """One ext_proc stream: each message answered at once, as the protocol requires."""
 
-    __slots__ = ("stream", "destination")
+    __slots__ = ("stream", "fixed")
 
-    def __init__(self, destination: str, stream: Stream) -> None:
+    def __init__(self, fixed: list[bytes], stream: Stream) -> None:
         self.stream = stream
-        self.destination = destination
+        self.fixed = fixed
 
     def on_message(self, data: bytes) -> None:
         try:
@@ -50,33 +59,47 @@ class NullCall:
         except Exception:  # upb raises its own DecodeError type
             self.stream.finish(INVALID_ARGUMENT, "undecodable ProcessingRequest")
             return
-        reply = self.reply(msg)
-        if reply is not None:
-            self.stream.send(encode(reply))
-
-    def reply(self, msg: pb.ProcessingRequest) -> Action | None:
         kind = msg.WhichOneof("request")
         if kind == "response_body":
-            return Body(True, msg.response_body.body, msg.response_body.end_of_stream)
-        if kind == "request_body":
+            body = msg.response_body
+            self.stream.send(encode(Body(True, body.body, body.end_of_stream)))
+        elif kind == "request_body":
             # As Narwhal asks every engine for a stream: the answer then comes in the same
             # messages as Narwhal's (the same length: no content-length to change).
-            body = msg.request_body.body.replace(b'"stream":false', b'"stream":true ')
-            return Body(False, body, msg.request_body.end_of_stream)
-        if kind == "request_headers":
-            dest = self.destination
-            return Headers(False, destination=dest, set=[(DESTINATION_HEADER, dest)])
-        if kind == "response_headers":
-            return Headers(True)
-        if kind in ("request_trailers", "response_trailers"):
-            return Trailers(kind == "response_trailers")
-        return None
+            body = msg.request_body
+            data = body.body.replace(b'"stream":false', b'"stream":true ')
+            self.stream.send(encode(Body(False, data, body.end_of_stream)))
+        elif kind is not None:
+            self.stream.send(self.fixed[FIXED[kind]])
 
     def on_half_close(self) -> None:
         self.stream.finish()
 
     def on_cancel(self) -> None:
         pass
+
+
+def fixed_replies(destination: str) -> list[bytes]:
+    """The replies that do not depend on a message's content, serialized by Narwhal's own
+    encoder (in ``FIXED``'s order, the compiled processor's arguments): request headers
+    with the destination header and metadata Narwhal sets, response headers, request and
+    response trailers passed."""
+    return [encode(Headers(False, destination=destination,
+                           set=[(DESTINATION_HEADER, destination)])),
+            encode(Headers(True)), encode(Trailers(False)), encode(Trailers(True))]
+
+
+def compiled_command(socket_path: str, destination: str, build_dir: Path) -> list[str]:
+    """Build ``null_extproc.c`` (nghttp2, a C compiler: ``scripts/native-tools.sh``
+    installs both) into ``build_dir``; the command line that serves it on ``socket_path``."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not Path("/usr/include/nghttp2/nghttp2.h").exists():
+        raise SystemExit("bench: the compiled null processor needs a C compiler and "
+                         "nghttp2's headers (scripts/native-tools.sh installs them)")
+    exe = build_dir / "null_extproc_c"
+    subprocess.run([cc, "-O2", "-o", str(exe), str(Path(__file__).with_name("null_extproc.c")),
+                    "-lnghttp2"], check=True)
+    return [str(exe), socket_path, *(r.hex() for r in fixed_replies(destination))]
 
 
 def _no_verdict(request_id: str, verdict: str) -> None:
@@ -86,7 +109,8 @@ def _no_verdict(request_id: str, verdict: str) -> None:
 async def serve(socket_path: str, destination: str) -> None:
     # Envoy's access log of failed requests (the shipped config sends it to the ext_proc
     # cluster) is read and its verdicts dropped: there are no requests to settle.
-    routes = {PROCESS_PATH: lambda st: NullCall(destination, st),
+    fixed = fixed_replies(destination)
+    routes = {PROCESS_PATH: lambda st: NullCall(fixed, st),
               ACCESS_LOG_PATH: functools.partial(AccessLogCall, _no_verdict)}
     stop = await listen_grpc(Serving(), routes, None, socket_path)
     done = asyncio.Event()

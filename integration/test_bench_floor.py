@@ -1,19 +1,30 @@
-"""The data-path benchmark's floor (``bench.null_extproc`` behind the shipped Envoy
-config) serves the same messages as Narwhal: its figures are only a floor if it does."""
+"""The data-path benchmark's floors (``bench.null_extproc`` on Narwhal's transport and
+``bench/null_extproc.c`` compiled, each behind the shipped Envoy config) serve the same
+messages as Narwhal, and answer them alike: their figures are only a floor if they do."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import grpc
 import httpx
 import orjson
-from bench.datapath import null_path
+import pytest
+from bench.datapath import _listening, null_path
+from bench.null_extproc import compiled_command
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from narwhal.launch import SimSpec
+from narwhal.launch import REPO_ROOT, SimSpec
+from narwhal.server.extproc import PROCESS_PATH
 
-from .conftest import MODEL
+from .conftest import MODEL, wait_for
 
 
-def test_the_null_processor_relays_a_streamed_answer_for_either_kind_of_request(tmp_path):
-    route = null_path(SimSpec("instant"), tmp_path)
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "compiled"])
+def test_a_null_processor_relays_a_streamed_answer_for_either_kind_of_request(
+        tmp_path, compiled):
+    route = null_path(SimSpec("instant"), tmp_path, compiled=compiled)
     try:
         for stream in (False, True):
             # As the benchmark's wrk sends it: compact JSON.
@@ -32,3 +43,43 @@ def test_the_null_processor_relays_a_streamed_answer_for_either_kind_of_request(
             assert text and not ids  # the engine's stream, untouched: no IDs were asked for
     finally:
         route.stop()
+
+
+def _exchange(sock: str, msgs: list[pb.ProcessingRequest]) -> list[bytes]:
+    with grpc.insecure_channel(f"unix:{sock}") as channel:
+        call = channel.stream_stream(PROCESS_PATH, request_serializer=pb.ProcessingRequest
+                                     .SerializeToString, response_deserializer=bytes)
+        return list(call(iter(msgs), timeout=10))
+
+
+def test_the_compiled_null_processor_answers_byte_for_byte_as_the_python_one(tmp_path):
+    """Both served for real and driven by the official gRPC client with every kind of
+    message, bodies empty, large (several HTTP/2 frames) and rewritten."""
+    dest = "127.0.0.1:8000"
+    rewritten = b'{"a":1,"stream":false,"b":"x\\"stream\\":false","stream":false}'
+    msgs = [pb.ProcessingRequest(request_headers=pb.HttpHeaders()),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=rewritten)),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=b"", end_of_stream=True)),
+            pb.ProcessingRequest(request_trailers=pb.HttpTrailers()),
+            pb.ProcessingRequest(response_headers=pb.HttpHeaders()),
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=b"y" * 200_000)),
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: [DONE]\n\n",
+                                                           end_of_stream=True)),
+            pb.ProcessingRequest(response_trailers=pb.HttpTrailers())]
+    python_sock, c_sock = str(tmp_path / "py.sock"), str(tmp_path / "c.sock")
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.null_extproc", "--socket",
+                               python_sock, "--destination", dest], cwd=REPO_ROOT),
+             subprocess.Popen(compiled_command(c_sock, dest, tmp_path))]
+    try:
+        for sock in (python_sock, c_sock):
+            wait_for(lambda s=sock: _listening(s), 30)
+        python, compiled = _exchange(python_sock, msgs), _exchange(c_sock, msgs)
+        assert len(python) == len(msgs)
+        assert compiled == python
+        body = pb.ProcessingResponse.FromString(compiled[1]).request_body
+        assert body.response.body_mutation.streamed_response.body == rewritten.replace(
+            b'"stream":false', b'"stream":true ')
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait()
