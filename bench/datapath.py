@@ -199,15 +199,17 @@ def _listening(path: str) -> bool:
     return True
 
 
-def null_path(sim: SimSpec, workdir: Path, compiled: bool = False) -> Route:
+def null_path(sim: SimSpec, workdir: Path, compiled: bool = False,
+              envoy_change: Callable[[dict], None] | None = None, name: str = "") -> Route:
     """Envoy (the shipped config, over a Unix socket as the others) and a null processor
     answering with no logic, against a simulator of its own: ``bench.null_extproc`` on
     Narwhal's transport (the floor of any Python processor in Narwhal's place) or, with
-    ``compiled``, ``bench/null_extproc.c`` (the floor of any processor)."""
+    ``compiled``, ``bench/null_extproc.c`` (the floor of any processor). ``envoy_change``
+    edits the Envoy config first (``bench.envoy_variants``); ``name`` names the path."""
     sims = Stack(sims=[dataclasses.replace(sim, port=0)], workdir=workdir).start_sims()
     sim_port = sims.sims[0].port
     sock = str(Path(tempfile.mkdtemp(prefix="nw-")) / "null.sock")
-    name = "null-compiled" if compiled else "null-processor"
+    name = name or ("null-compiled" if compiled else "null-processor")
     log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115  (closed by stop)
     procs: list[subprocess.Popen] = []
 
@@ -233,6 +235,8 @@ def null_path(sim: SimSpec, workdir: Path, compiled: bool = False) -> Route:
         port, admin = free_port(), free_port()
         cfg = render_envoy(port, admin, 0, engines=[f"127.0.0.1:{sim_port}"],
                            extproc_socket=sock)
+        if envoy_change is not None:
+            envoy_change(cfg)
         path = workdir / f"envoy-{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         procs.append(subprocess.Popen(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from bench.envoy_variants import VARIANTS
 
 from narwhal.launch import ENVOY_CONFIG, REPO_ROOT, envoy_binary, render_envoy
 
@@ -74,3 +76,31 @@ def test_engine_pool_renders_and_validates(endpoints, dns, kind, tmp_path):
     path.write_text(yaml.safe_dump(cfg))
     result = validate(path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", [n for n, change in VARIANTS.items() if change is not None])
+def test_each_envoy_cost_variant_takes_out_its_extra_and_still_validates(tmp_path, name):
+    """``bench.envoy_variants`` measures the shipped config with each extra taken out: each
+    edit must apply to the config as shipped (a renamed key fails here, not mid-benchmark)
+    and leave a config Envoy accepts."""
+    shipped = render_envoy(18080, 19901, 19002)
+    cfg = copy.deepcopy(shipped)
+    VARIANTS[name](cfg)
+    assert cfg != shipped
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = validate(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_envoy_refuses_skipping_trailers_with_full_duplex_bodies(tmp_path):
+    """Why the trailer messages stay in every request (``bench.envoy_variants``)."""
+    cfg = render_envoy(18080, 19901, 19002)
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    mode = hcm["typed_config"]["http_filters"][0]["typed_config"]["processing_mode"]
+    mode["request_trailer_mode"] = "SKIP"
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = validate(path)
+    assert result.returncode != 0
+    assert "request_trailer_mode has to be set to SEND" in result.stdout + result.stderr

@@ -1,0 +1,105 @@
+"""What Envoy itself costs beside an ext_proc processor, by Envoy config: the shipped
+config, and the same with each of its extras taken out, in front of the compiled null
+processor (``bench/null_extproc.c``), side by side with Envoy alone.
+
+    python -m bench.envoy_variants [--duration S] [--reps N] [--connections C]
+
+Why it exists: beside any processor, Envoy's own CPU per non-streaming request is ~4x
+what it is alone (``bench.datapath``'s floor lines), which by itself holds the stack near
+half of Envoy alone's throughput. This measures whether the shipped config's extras (the
+access log of failed requests, the metadata forwarded to the processor, the retry policy
+and the body it buffers for a retry, the local-reply mappers) are part of that cost, with
+a processor cheap enough (a few us a request) not to blur the answer. Envoy's own check
+refuses the one change that would cut messages: trailers cannot be skipped with
+``FULL_DUPLEX_STREAMED`` bodies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from bench import scratch
+from bench.datapath import MODEL, Route, measure, null_path, report, rows_of
+from narwhal.launch import REPO_ROOT, SimSpec, Stack, plain_envoy
+
+
+def _hcm(cfg: dict) -> dict[str, Any]:
+    listener = cfg["static_resources"]["listeners"][0]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def _route(cfg: dict) -> dict[str, Any]:
+    return _hcm(cfg)["route_config"]["virtual_hosts"][0]["routes"][0]
+
+
+def _no_access_log(cfg: dict) -> None:
+    del _hcm(cfg)["access_log"]
+
+
+def _no_metadata(cfg: dict) -> None:
+    del _hcm(cfg)["http_filters"][0]["typed_config"]["metadata_options"]
+
+
+def _no_retry(cfg: dict) -> None:
+    del _route(cfg)["route"]["retry_policy"]
+    del _route(cfg)["per_request_buffer_limit_bytes"]
+
+
+def _no_local_reply(cfg: dict) -> None:
+    del _hcm(cfg)["local_reply_config"]
+
+
+def _none(cfg: dict) -> None:
+    for change in (_no_access_log, _no_metadata, _no_retry, _no_local_reply):
+        change(cfg)
+
+
+VARIANTS: dict[str, Callable[[dict], None] | None] = {
+    "shipped": None, "no-access-log": _no_access_log, "no-metadata": _no_metadata,
+    "no-retry": _no_retry, "no-local-reply": _no_local_reply, "none-of-them": _none}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=4.0, help="seconds per run")
+    parser.add_argument("--reps", type=int, default=3, help="runs per path (median reported)")
+    parser.add_argument("--connections", type=int, default=8, help="wrk connections")
+    args = parser.parse_args()
+    body = {"model": MODEL, "max_tokens": 16, "stream": False,
+            "messages": [{"role": "user", "content": "hello there"}]}
+    sim = SimSpec("instant")
+    paths: list[Route] = []
+    with scratch("narwhal-envoy-variants-") as workdir:
+        sims = Stack(sims=[dataclasses.replace(sim, port=0)], workdir=workdir).start_sims()
+        try:
+            envoy, port = plain_envoy(REPO_ROOT / "bench" / "envoy-direct.yaml", workdir,
+                                      [sims.sims[0].port])
+
+            def stop_envoy() -> None:
+                envoy.terminate()
+                envoy.wait()
+
+            paths.append(Route("envoy", f"http://127.0.0.1:{port}", {"envoy": envoy.pid},
+                               stop_envoy))
+            for name, change in VARIANTS.items():
+                paths.append(null_path(sim, workdir, compiled=True, envoy_change=change,
+                                       name=name))
+            measure(paths, body, args.connections, 1, args, workdir)
+            rows = rows_of("non-streaming", "request", paths, 1)
+        finally:
+            for p in paths:
+                p.stop()
+            sims.stop()
+    print("Envoy's own CPU beside the compiled null processor (its CPU in the narwhal "
+          f"column), by Envoy config; medians of {args.reps} x {args.duration:g}s")
+    print(f"reproduce: python -m bench.envoy_variants --duration {args.duration:g} "
+          f"--reps {args.reps} --connections {args.connections}")
+    for line in report(rows):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
