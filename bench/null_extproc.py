@@ -36,7 +36,7 @@ from narwhal.core.exchange import DESTINATION_HEADER, Body, Headers, Trailers
 from narwhal.server.access_log import ACCESS_LOG_PATH, AccessLogCall
 from narwhal.server.app import listen_grpc
 from narwhal.server.extproc import PROCESS_PATH, encode
-from narwhal.server.grpc_server import INVALID_ARGUMENT, Stream
+from narwhal.server.grpc_server import Stream
 from narwhal.server.loop import install_uvloop
 
 # Which of ``fixed_replies`` answers each message that is not a body.
@@ -54,10 +54,8 @@ class NullCall:
         self.fixed = fixed
 
     def on_message(self, data: bytes) -> None:
-        try:
-            msg = pb.ProcessingRequest.FromString(data)
-        except Exception:  # upb raises its own DecodeError type
-            self.stream.finish(INVALID_ARGUMENT, "undecodable ProcessingRequest")
+        msg = self.stream.decode(pb.ProcessingRequest, data)
+        if msg is None:
             return
         kind = msg.WhichOneof("request")
         if kind == "response_body":

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from narwhal.launch import SimSpec, Stack
 from narwhal.server import http2
+from narwhal.server.access_log import ACCESS_LOG_PATH
 from narwhal.server.metrics import process_usage
 
 from .conftest import _stack, wait_for
@@ -208,6 +209,27 @@ def test_undecodable_health_check_fails_alone(router):
                              and grpc_status(evs, bad) is not None)
         assert grpc_status(events, good) == 0
         assert grpc_status(events, bad) != 0
+        assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
+
+
+def test_an_undecodable_access_log_message_fails_its_stream_alone(router):
+    """Envoy's access-log stream shares the ext_proc port: bytes that are no
+    StreamAccessLogsMessage end that stream INVALID_ARGUMENT, saying so, and nothing else."""
+    with attack(router) as peer:
+        good = peer.headers(CHECK)
+        bad = peer.headers(ACCESS_LOG_PATH)
+        peer.h2.send_data(bad, b"\x00" + (3).to_bytes(4, "big") + b"\xff\xff\xff")
+        msg = health_pb2.HealthCheckRequest(service="").SerializeToString()
+        peer.h2.send_data(good, b"\x00" + len(msg).to_bytes(4, "big") + msg, end_stream=True)
+        peer.flush()
+        events = peer.events(lambda evs: grpc_status(evs, good) is not None
+                             and grpc_status(evs, bad) is not None)
+        assert grpc_status(events, good) == 0
+        assert grpc_status(events, bad) == 3  # INVALID_ARGUMENT
+        trailers = next(dict(e.headers) for e in events
+                        if isinstance(e, h2.events.TrailersReceived | h2.events.ResponseReceived)
+                        and e.stream_id == bad)
+        assert trailers[b"grpc-message"] == b"undecodable StreamAccessLogsMessage"
         assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
 
 

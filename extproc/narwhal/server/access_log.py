@@ -15,7 +15,7 @@ from collections.abc import Callable
 from envoy.service.accesslog.v3 import als_pb2
 
 from ..core import errors
-from .grpc_server import INVALID_ARGUMENT, Stream
+from .grpc_server import Stream
 
 log = logging.getLogger("narwhal.access_log")
 ACCESS_LOG_PATH = b"/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"
@@ -42,10 +42,8 @@ class AccessLogCall:
         self.stream = stream
 
     def on_message(self, data: bytes) -> None:
-        try:
-            msg = als_pb2.StreamAccessLogsMessage.FromString(data)
-        except Exception:  # upb raises its own DecodeError type
-            self.stream.finish(INVALID_ARGUMENT, "undecodable StreamAccessLogsMessage")
+        msg = self.stream.decode(als_pb2.StreamAccessLogsMessage, data)
+        if msg is None:
             return
         for entry in msg.http_logs.log_entry:
             request_id = entry.request.request_id

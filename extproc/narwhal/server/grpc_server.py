@@ -23,12 +23,13 @@ import logging
 import struct
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ..core import pieces
 from . import http2
 
 log = logging.getLogger("narwhal.grpc")
+M = TypeVar("M")  # a protobuf message class's instances (``Stream.decode``)
 
 # gRPC status codes used here.
 OK = 0
@@ -105,6 +106,16 @@ class Stream:
         self.pending.append(frame)
         self.pending_size += len(frame)
         self.conn.blocked.add(self.id)
+
+    def decode(self, kind: type[M], data: bytes) -> M | None:
+        """``data`` as a ``kind`` message, or None with the call ended INVALID_ARGUMENT: a
+        peer's undecodable message fails its own stream alone. (The ext_proc calls decode
+        inline instead: they close their exchange before the stream, on the hot path.)"""
+        try:
+            return kind.FromString(data)  # type: ignore[attr-defined]
+        except Exception:  # upb raises its own DecodeError type
+            self.finish(INVALID_ARGUMENT, f"undecodable {kind.__name__}")
+            return None
 
     def finish(self, status: int = OK, message: str = "") -> None:
         """End the call with trailers, after any data still waiting for window."""
