@@ -196,41 +196,41 @@ def test_a_peer_that_does_not_read_cannot_grow_the_router(router):
         assert sent < 64 * 1024 * 1024, "the router kept reading a peer that never reads"
 
 
+def undecodable_beside_a_health_check(peer: Peer, path: str, end_stream: bool
+                                      ) -> tuple[list, int]:
+    """Bytes that decode as no message on a ``path`` stream and a good health check on
+    another; the events until both are answered, and the bad stream's id. The check must
+    pass and the connection stay up."""
+    good = peer.headers(CHECK)
+    bad = peer.headers(path)
+    peer.h2.send_data(bad, b"\x00" + (3).to_bytes(4, "big") + b"\xff\xff\xff",
+                      end_stream=end_stream)
+    msg = health_pb2.HealthCheckRequest(service="").SerializeToString()
+    peer.h2.send_data(good, b"\x00" + len(msg).to_bytes(4, "big") + msg, end_stream=True)
+    peer.flush()
+    events = peer.events(lambda evs: grpc_status(evs, good) is not None
+                         and grpc_status(evs, bad) is not None)
+    assert grpc_status(events, good) == 0
+    assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
+    return events, bad
+
+
 def test_undecodable_health_check_fails_alone(router):
     with attack(router) as peer:
-        good = peer.headers(CHECK)
-        bad = peer.headers(CHECK)
-        peer.h2.send_data(bad, b"\x00" + (3).to_bytes(4, "big") + b"\xff\xff\xff",
-                          end_stream=True)
-        msg = health_pb2.HealthCheckRequest(service="").SerializeToString()
-        peer.h2.send_data(good, b"\x00" + len(msg).to_bytes(4, "big") + msg, end_stream=True)
-        peer.flush()
-        events = peer.events(lambda evs: grpc_status(evs, good) is not None
-                             and grpc_status(evs, bad) is not None)
-        assert grpc_status(events, good) == 0
+        events, bad = undecodable_beside_a_health_check(peer, CHECK, end_stream=True)
         assert grpc_status(events, bad) != 0
-        assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
 
 
 def test_an_undecodable_access_log_message_fails_its_stream_alone(router):
     """Envoy's access-log stream shares the ext_proc port: bytes that are no
     StreamAccessLogsMessage end that stream INVALID_ARGUMENT, saying so, and nothing else."""
     with attack(router) as peer:
-        good = peer.headers(CHECK)
-        bad = peer.headers(ACCESS_LOG_PATH)
-        peer.h2.send_data(bad, b"\x00" + (3).to_bytes(4, "big") + b"\xff\xff\xff")
-        msg = health_pb2.HealthCheckRequest(service="").SerializeToString()
-        peer.h2.send_data(good, b"\x00" + len(msg).to_bytes(4, "big") + msg, end_stream=True)
-        peer.flush()
-        events = peer.events(lambda evs: grpc_status(evs, good) is not None
-                             and grpc_status(evs, bad) is not None)
-        assert grpc_status(events, good) == 0
+        events, bad = undecodable_beside_a_health_check(peer, ACCESS_LOG_PATH, end_stream=False)
         assert grpc_status(events, bad) == 3  # INVALID_ARGUMENT
         trailers = next(dict(e.headers) for e in events
                         if isinstance(e, h2.events.TrailersReceived | h2.events.ResponseReceived)
                         and e.stream_id == bad)
         assert trailers[b"grpc-message"] == b"undecodable StreamAccessLogsMessage"
-        assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
 
 
 def test_connections_without_a_preface_are_closed(router):
