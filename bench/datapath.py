@@ -161,15 +161,7 @@ def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
         stacks[cfg] = stack
     # Envoy alone and the peer proxy to the first stack's simulator.
     sim_port = next(iter(stacks.values())).sims[0].port
-    envoy, direct_port = plain_envoy(REPO_ROOT / "bench" / "envoy-direct.yaml", workdir,
-                                     [sim_port])
-
-    def stop_envoy() -> None:
-        envoy.terminate()
-        envoy.wait()
-
-    paths.append(Route("envoy", f"http://127.0.0.1:{direct_port}",
-                       {"envoy": envoy.pid}, stop_envoy))
+    paths.append(envoy_alone(sim_port, workdir))
     if peer:
         router, router_port = vllm_router(sim_port, workdir)
 
@@ -188,6 +180,18 @@ def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
         paths.append(Route(f"narwhal-{cfg}", stack.url, pids, stack.stop,
                            frozenset({"scheduler"})))
     return paths
+
+
+def envoy_alone(sim_port: int, workdir: Path) -> Route:
+    """Envoy proxying straight to the simulator (``bench/envoy-direct.yaml``): the path
+    every other's CPU is a ratio to."""
+    envoy, port = plain_envoy(REPO_ROOT / "bench" / "envoy-direct.yaml", workdir, [sim_port])
+
+    def stop() -> None:
+        envoy.terminate()
+        envoy.wait()
+
+    return Route("envoy", f"http://127.0.0.1:{port}", {"envoy": envoy.pid}, stop)
 
 
 def _listening(path: str) -> bool:

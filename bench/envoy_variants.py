@@ -22,25 +22,26 @@ from collections.abc import Callable
 from typing import Any
 
 from bench import scratch
-from bench.datapath import MODEL, Route, measure, null_path, report, rows_of
-from narwhal.launch import REPO_ROOT, SimSpec, Stack, plain_envoy
+from bench.datapath import MODEL, Route, envoy_alone, measure, null_path, report, rows_of
+from narwhal.launch import SimSpec, Stack
 
 
-def _hcm(cfg: dict) -> dict[str, Any]:
+def connection_manager(cfg: dict) -> dict[str, Any]:
+    """The shipped config's HTTP connection manager (its filters, route, access log)."""
     listener = cfg["static_resources"]["listeners"][0]
     return listener["filter_chains"][0]["filters"][0]["typed_config"]
 
 
 def _route(cfg: dict) -> dict[str, Any]:
-    return _hcm(cfg)["route_config"]["virtual_hosts"][0]["routes"][0]
+    return connection_manager(cfg)["route_config"]["virtual_hosts"][0]["routes"][0]
 
 
 def _no_access_log(cfg: dict) -> None:
-    del _hcm(cfg)["access_log"]
+    del connection_manager(cfg)["access_log"]
 
 
 def _no_metadata(cfg: dict) -> None:
-    del _hcm(cfg)["http_filters"][0]["typed_config"]["metadata_options"]
+    del connection_manager(cfg)["http_filters"][0]["typed_config"]["metadata_options"]
 
 
 def _no_retry(cfg: dict) -> None:
@@ -49,7 +50,7 @@ def _no_retry(cfg: dict) -> None:
 
 
 def _no_local_reply(cfg: dict) -> None:
-    del _hcm(cfg)["local_reply_config"]
+    del connection_manager(cfg)["local_reply_config"]
 
 
 def _none(cfg: dict) -> None:
@@ -75,15 +76,7 @@ def main() -> None:
     with scratch("narwhal-envoy-variants-") as workdir:
         sims = Stack(sims=[dataclasses.replace(sim, port=0)], workdir=workdir).start_sims()
         try:
-            envoy, port = plain_envoy(REPO_ROOT / "bench" / "envoy-direct.yaml", workdir,
-                                      [sims.sims[0].port])
-
-            def stop_envoy() -> None:
-                envoy.terminate()
-                envoy.wait()
-
-            paths.append(Route("envoy", f"http://127.0.0.1:{port}", {"envoy": envoy.pid},
-                               stop_envoy))
+            paths.append(envoy_alone(sims.sims[0].port, workdir))
             for name, change in VARIANTS.items():
                 paths.append(null_path(sim, workdir, compiled=True, envoy_change=change,
                                        name=name))
