@@ -79,9 +79,9 @@ def test_engine_pool_renders_and_validates(endpoints, dns, kind, tmp_path):
 
 @pytest.mark.parametrize("name", [n for n, change in VARIANTS.items() if change is not None])
 def test_each_envoy_cost_variant_takes_out_its_extra_and_still_validates(tmp_path, name):
-    """``bench.envoy_variants`` measures the shipped config with each extra taken out: each
-    edit must apply to the config as shipped (a renamed key fails here, not mid-benchmark)
-    and leave a config Envoy accepts."""
+    """``bench.envoy_variants`` measures the shipped config with each extra taken out (and
+    with Envoy's other HTTP/2 codec or gRPC client): each edit must apply to the config as
+    shipped (a renamed key fails here, not mid-benchmark) and leave a config Envoy accepts."""
     shipped = render_envoy(18080, 19901, 19002)
     cfg = copy.deepcopy(shipped)
     VARIANTS[name](cfg)
