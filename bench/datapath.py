@@ -160,8 +160,9 @@ def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
                               "scheduler": messages.WIDE if cfg == "wide" else {}}).start()
         stacks[cfg] = stack
     # Envoy alone and the peer proxy to the first stack's simulator.
-    sim_port = next(iter(stacks.values())).sims[0].port
-    paths.append(envoy_alone(sim_port, workdir))
+    first = next(iter(stacks.values()))
+    sim_port, sim_pid = first.sims[0].port, engine_pid(first)
+    paths.append(envoy_alone(sim_port, workdir, sim_pid))
     if peer:
         router, router_port = vllm_router(sim_port, workdir)
 
@@ -170,11 +171,12 @@ def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
             router.wait()
 
         paths.append(Route("vllm-router", f"http://127.0.0.1:{router_port}",
-                           {"vllm-router": router.pid}, stop_router))
+                           {"vllm-router": router.pid, "engine": sim_pid}, stop_router))
     paths += [null_path(sim, workdir, compiled=c == "cnull") for c in configs if c in NULLS]
     for cfg, stack in stacks.items():
         pid = stack.proc("narwhal").popen.pid
-        pids = {"envoy": stack.proc("envoy").popen.pid, "narwhal": pid}
+        pids = {"envoy": stack.proc("envoy").popen.pid, "narwhal": pid,
+                "engine": engine_pid(stack)}
         if cfg == "workers2":  # narwhal: the scheduler and its workers; and it alone
             pids["scheduler"] = pid
         paths.append(Route(f"narwhal-{cfg}", stack.url, pids, stack.stop,
@@ -182,16 +184,22 @@ def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
     return paths
 
 
-def envoy_alone(sim_port: int, workdir: Path) -> Route:
-    """Envoy proxying straight to the simulator (``bench/envoy-direct.yaml``): the path
-    every other's CPU is a ratio to."""
+def engine_pid(stack: Stack) -> int:
+    """The stack's (first) simulator: the engine's CPU is charged to the path it serves."""
+    return stack.proc(stack.sims[0].name).popen.pid
+
+
+def envoy_alone(sim_port: int, workdir: Path, sim_pid: int) -> Route:
+    """Envoy proxying straight to the simulator (``bench/envoy-direct.yaml``, whose process
+    is ``sim_pid``): the path every other's CPU is a ratio to."""
     envoy, port = plain_envoy(REPO_ROOT / "bench" / "envoy-direct.yaml", workdir, [sim_port])
 
     def stop() -> None:
         envoy.terminate()
         envoy.wait()
 
-    return Route("envoy", f"http://127.0.0.1:{port}", {"envoy": envoy.pid}, stop)
+    return Route("envoy", f"http://127.0.0.1:{port}", {"envoy": envoy.pid, "engine": sim_pid},
+                 stop)
 
 
 def _listening(path: str) -> bool:
@@ -252,7 +260,8 @@ def null_path(sim: SimSpec, workdir: Path, compiled: bool = False,
         stop()
         raise
     return Route(name, f"http://127.0.0.1:{port}",
-                 {"envoy": procs[1].pid, "narwhal": procs[0].pid}, stop)
+                 {"envoy": procs[1].pid, "narwhal": procs[0].pid, "engine": engine_pid(sims)},
+                 stop)
 
 
 def measure(paths: list[Route], body: dict, connections: int, units_per_request: int,
@@ -315,6 +324,11 @@ def run_workload(sim: SimSpec, workloads: list[tuple[str, dict, int, int]],
     return rows
 
 
+# Roles a row reports apart from the router's whole path: the workers' scheduler (already
+# counted in narwhal) and the engine.
+APART = frozenset({"scheduler", "engine"})
+
+
 def report(rows: list[Row]) -> list[str]:
     out = []
     for workload in dict.fromkeys(r.workload for r in rows):
@@ -322,11 +336,14 @@ def report(rows: list[Row]) -> list[str]:
         base = next(r for r in group if r.path == "envoy")
         envoy_cpu = base.cpu["envoy"]
         unit = base.unit
-        out.append(f"\n{workload}  (CPU us per {unit}; ratio to Envoy alone's CPU)")
+        out.append(f"\n{workload}  (CPU us per {unit}; ratio to Envoy alone's CPU; the "
+                   "engine's, the simulator's, apart and as a ratio to its own beside Envoy "
+                   "alone)")
         out.append(f"  {'path':16} {'rate/s':>9} {'vs envoy':>9}   {'envoy':>14} "
-                   f"{'narwhal':>14} {'peer':>14} {'whole path':>14} {'of which sched':>14}")
+                   f"{'narwhal':>14} {'peer':>14} {'whole path':>14} {'of which sched':>14} "
+                   f"{'engine':>14}")
         for r in group:
-            total = sum(v for role, v in r.cpu.items() if role != "scheduler")
+            total = sum(v for role, v in r.cpu.items() if role not in APART)
 
             def cell(role: str, r: Row = r, base_cpu: float = envoy_cpu) -> str:
                 v = r.cpu.get(role)
@@ -335,7 +352,8 @@ def report(rows: list[Row]) -> list[str]:
             err = f"   ({r.errors} non-2xx)" if r.errors else ""
             out.append(f"  {r.path:16} {r.rate:9.0f} {r.rate / base.rate:8.1%}   "
                        f"{cell('envoy')} {cell('narwhal')} {cell('vllm-router')} "
-                       f"{total:7.1f} {total / envoy_cpu:5.2f}x {cell('scheduler')}{err}")
+                       f"{total:7.1f} {total / envoy_cpu:5.2f}x {cell('scheduler')} "
+                       f"{cell('engine', base_cpu=base.cpu.get('engine', 0.0) or 1.0)}{err}")
     return out
 
 
@@ -385,6 +403,34 @@ def floor_line(rows: list[Row]) -> list[str]:
                         f"({(own - floor) / own:.0%})"
             out.append(line)
     return ["", *out] if out else []
+
+
+def stream_line(rows: list[Row]) -> list[str]:
+    """What the engine's stream costs the non-streaming rate. Narwhal asks the engine for a
+    stream and assembles the answer (so would any router that counts tokens as they come),
+    so the engine writes, and Envoy relays, the streaming row's answer where Envoy alone's
+    non-streaming path gets one body: Envoy alone streaming is the rate of the same engine
+    work with no processor, and each processor's non-streaming rate is put against it."""
+    def row(workload: str, path: str) -> Row | None:
+        return next((r for r in rows if r.workload == workload and r.path == path), None)
+
+    whole, streamed = row("non-streaming", "envoy"), row("streaming", "envoy")
+    if whole is None or streamed is None:
+        return []
+    engine = ""
+    if "engine" in whole.cpu and "engine" in streamed.cpu:
+        engine = (f"; the engine {streamed.cpu['engine']:.1f} us a request streamed against "
+                  f"{whole.cpu['engine']:.1f} in one body, Envoy {streamed.cpu['envoy']:.1f} "
+                  f"against {whole.cpu['envoy']:.1f}")
+    out = [f"the engine's stream, non-streaming: Envoy alone with the engine streaming the "
+           f"answer {streamed.rate:.0f}/s, {streamed.rate / whole.rate:.1%} of its rate with "
+           f"one body{engine}"]
+    paths = [r for r in rows if r.workload == "non-streaming"
+             and (r.path.startswith("null-") or r.path.startswith("narwhal-"))]
+    if paths:
+        out.append("  non-streaming rate against Envoy alone's with the same engine stream: "
+                   + ", ".join(f"{r.path} {r.rate / streamed.rate:.1%}" for r in paths))
+    return ["", *out]
 
 
 def criteria(rows: list[Row]) -> list[str]:
@@ -513,8 +559,8 @@ def main() -> int:
     # What each engine of the pool adds to a request, in process (bench.messages).
     runs = messages.alternated(500, [(1, 0), (32, 0)], 3)
     per_engine = messages.slope({p: runs[p, 0] for p in (1, 32)}) * 1e6
-    for line in (report(rows) + workers_line(rows) + floor_line(rows) + criteria(rows)
-                 + capacity(rows, per_engine)):
+    for line in (report(rows) + workers_line(rows) + floor_line(rows) + stream_line(rows)
+                 + criteria(rows) + capacity(rows, per_engine)):
         print(line)
     if args.plot:
         plot(rows, args.plot)

@@ -24,7 +24,16 @@ from collections.abc import Callable
 from typing import Any
 
 from bench import scratch
-from bench.datapath import MODEL, Route, envoy_alone, measure, null_path, report, rows_of
+from bench.datapath import (
+    MODEL,
+    Route,
+    engine_pid,
+    envoy_alone,
+    measure,
+    null_path,
+    report,
+    rows_of,
+)
 from narwhal.launch import SimSpec, Stack
 
 
@@ -94,7 +103,7 @@ def main() -> None:
     with scratch("narwhal-envoy-variants-") as workdir:
         sims = Stack(sims=[dataclasses.replace(sim, port=0)], workdir=workdir).start_sims()
         try:
-            paths.append(envoy_alone(sims.sims[0].port, workdir))
+            paths.append(envoy_alone(sims.sims[0].port, workdir, engine_pid(sims)))
             for name, change in VARIANTS.items():
                 paths.append(null_path(sim, workdir, compiled=True, envoy_change=change,
                                        name=name))

@@ -1,0 +1,40 @@
+"""The data-path benchmark's arithmetic (``bench.datapath``): what its report charges to
+the router's whole path, and what it puts the non-streaming rate against. Fixed rows, so
+a change to a line's sums fails here, not in a figure quoted from a run."""
+
+from bench.datapath import Row, report, stream_line
+
+
+def rows() -> list[Row]:
+    return [
+        Row("non-streaming", "request", "envoy", 2000.0, {"envoy": 100.0, "engine": 300.0}, 0),
+        Row("non-streaming", "request", "null-compiled", 900.0,
+            {"envoy": 500.0, "narwhal": 80.0, "engine": 550.0}, 0),
+        Row("non-streaming", "request", "narwhal-default", 600.0,
+            {"envoy": 600.0, "narwhal": 900.0, "engine": 700.0}, 0),
+        Row("streaming", "request", "envoy", 1000.0, {"envoy": 400.0, "engine": 560.0}, 0),
+    ]
+
+
+def test_the_whole_path_is_the_routers_and_the_engine_stands_apart():
+    lines = report(rows())
+    narwhal = next(line for line in lines if line.strip().startswith("narwhal-default"))
+    # envoy 600 + narwhal 900: the engine's 700 is its own column, a ratio to its 300
+    # beside Envoy alone
+    assert "1500.0 15.00x" in narwhal
+    assert narwhal.rstrip().endswith("700.0  2.33x")
+    alone = next(line for line in lines if line.strip().startswith("envoy "))
+    assert "100.0  1.00x" in alone and alone.rstrip().endswith("300.0  1.00x")
+
+
+def test_the_non_streaming_rate_is_put_against_envoy_alone_relaying_the_engines_stream():
+    lines = stream_line(rows())
+    assert lines[0] == ""
+    assert "1000/s, 50.0% of its rate with one body" in lines[1]
+    assert "the engine 560.0 us a request streamed against 300.0 in one body" in lines[1]
+    assert "Envoy 400.0 against 100.0" in lines[1]
+    assert lines[2].endswith("null-compiled 90.0%, narwhal-default 60.0%")
+
+
+def test_without_a_streaming_row_there_is_nothing_to_put_it_against():
+    assert stream_line([r for r in rows() if r.workload != "streaming"]) == []
