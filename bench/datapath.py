@@ -77,6 +77,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def running(pid: int) -> bool:
+    """The process exists and has not exited (an exited child not yet reaped keeps its
+    final CPU in ``/proc``: charged, it would read as costing nothing)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
 def io_calls(pid: int) -> int:
     """Read- and write-type system calls the process has made (``/proc/PID/io``): how
     many messages each socket read and write carries, which is what sets the per-event
@@ -155,7 +165,10 @@ def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
                          "extproc_socket": str(Path(tempfile.mkdtemp(prefix="nw-")) / "x.sock")}
         if cfg == "workers2":
             serving["workers"] = 2
-        stack = Stack(sims=[sim], model=MODEL,
+        # A simulator of its own (a copy of the spec: a shared one keeps the first stack's
+        # port, and the next stack's simulator would fail to bind it while the first one
+        # answered every stack).
+        stack = Stack(sims=[dataclasses.replace(sim, port=0)], model=MODEL,
                       config={"serving": serving,
                               "scheduler": messages.WIDE if cfg == "wide" else {}}).start()
         stacks[cfg] = stack
@@ -278,6 +291,9 @@ def measure(paths: list[Route], body: dict, connections: int, units_per_request:
 
             before = {role: usage(role, pid) for role, pid in p.pids.items()}
             n, rps, bad = wrk(p.url + path, body, args.duration, connections, workdir)
+            if gone := [role for role, pid in p.pids.items() if not running(pid)]:
+                raise SystemExit(f"bench: {p.name}: the {', '.join(gone)} process exited "
+                                 f"(logs in {workdir})")
             p.errors += bad
             p.rps.append(rps)
             units = max(1, n * units_per_request)
