@@ -6,7 +6,8 @@ side by side in one run.
                              [--transport asyncio|grpcio]
                              [--plot PATH]
 
-Paths, each against its own simulator of the same kind:
+Paths (each Narwhal stack and null processor against a simulator of its own, of the same
+kind; Envoy alone and the peer against the first stack's):
   envoy        Envoy alone, proxying to the simulator (bench/envoy-direct.yaml)
   vllm-router  the PyPI Rust router users pick instead (round robin over one engine)
   narwhal      Envoy + Narwhal over a Unix socket (the chart's sidecar default), per
@@ -25,10 +26,12 @@ Paths, each against its own simulator of the same kind:
 Workloads: (a) 16-token chat completions against an instant engine, non-streaming and
 streaming, ``--connections`` wrk connections; (b) paced streams, 5 ms per token x 64
 tokens x 64 clients. For each path: requests (or token events) per second and the CPU
-time of each of its processes per request (per event), from /proc utime+stime, so the
-load generator and the simulator are not charged. Runs alternate between paths and
-medians are reported, because a 2-core machine is noisy. Ratios are to Envoy alone's CPU
-in the same run.
+time of each of its processes per request (per event), from /proc utime+stime: the load
+generator is not charged, and the simulator's CPU is its own ``engine`` column, apart from
+the path's whole. Runs alternate between paths and medians are reported, because a
+2-core machine is noisy. Ratios are to Envoy alone's CPU in the same run. After the floor
+lines, the engine's stream: every path's non-streaming rate against Envoy alone's
+streaming one (Narwhal asks the engine for a stream to assemble the answer).
 """
 
 from __future__ import annotations
