@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +91,15 @@ def running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def ext_proc_messages(admin: int) -> int:
+    """The ext_proc messages Envoy has sent to its processor and received from it (its
+    ``stream_msgs_sent`` and ``stream_msgs_received``)."""
+    url = f"http://127.0.0.1:{admin}/stats?filter=ext_proc.stream_msgs_"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return sum(int(line.rsplit(":", 1)[1]) for line in reply.read().decode().splitlines()
+                   if line.strip())
+
+
 def io_calls(pid: int) -> int:
     """Read- and write-type system calls the process has made (``/proc/PID/io``): how
     many messages each socket read and write carries, which is what sets the per-event
@@ -129,6 +139,8 @@ class Route:
     cpu_us: dict[str, list[float]] = field(default_factory=dict)  # role -> per unit
     syscalls: dict[str, list[float]] = field(default_factory=dict)  # role -> per unit
     errors: int = 0
+    envoy_admin: int = 0  # an Envoy with ext_proc in its path: its admin port
+    messages: list[float] = field(default_factory=list)  # ext_proc messages per unit
 
 
 def wrk(url: str, body: dict, seconds: float, connections: int, workdir: Path
@@ -196,7 +208,7 @@ def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
         if cfg == "workers2":  # narwhal: the scheduler and its workers; and it alone
             pids["scheduler"] = pid
         paths.append(Route(f"narwhal-{cfg}", stack.url, pids, stack.stop,
-                           frozenset({"scheduler"})))
+                           frozenset({"scheduler"}), envoy_admin=stack.envoy_admin_port))
     return paths
 
 
@@ -277,7 +289,7 @@ def null_path(sim: SimSpec, workdir: Path, compiled: bool = False,
         raise
     return Route(name, f"http://127.0.0.1:{port}",
                  {"envoy": procs[1].pid, "narwhal": procs[0].pid, "engine": engine_pid(sims)},
-                 stop)
+                 stop, envoy_admin=admin)
 
 
 def measure(paths: list[Route], body: dict, connections: int, units_per_request: int,
@@ -293,6 +305,7 @@ def measure(paths: list[Route], body: dict, connections: int, units_per_request:
                 return tree_cpu(pid), _tree(pid, io_calls)
 
             before = {role: usage(role, pid) for role, pid in p.pids.items()}
+            sent = ext_proc_messages(p.envoy_admin) if p.envoy_admin else 0
             n, rps, bad = wrk(p.url + path, body, args.duration, connections, workdir)
             if gone := [role for role, pid in p.pids.items() if not running(pid)]:
                 raise SystemExit(f"bench: {p.name}: the {', '.join(gone)} process exited "
@@ -300,6 +313,8 @@ def measure(paths: list[Route], body: dict, connections: int, units_per_request:
             p.errors += bad
             p.rps.append(rps)
             units = max(1, n * units_per_request)
+            if p.envoy_admin:
+                p.messages.append((ext_proc_messages(p.envoy_admin) - sent) / units)
             for role, pid in p.pids.items():
                 (cpu0, calls0), (cpu1, calls1) = before[role], usage(role, pid)
                 p.cpu_us.setdefault(role, []).append((cpu1 - cpu0) / units * 1e6)
@@ -315,12 +330,14 @@ class Row:
     cpu: dict[str, float]  # role -> median µs per unit
     errors: int
     syscalls: dict[str, float] = field(default_factory=dict)  # role -> median per unit
+    messages: float | None = None  # ext_proc messages per unit, both ways (median)
 
 
 def rows_of(workload: str, unit: str, paths: list[Route], per_unit: int) -> list[Row]:
     return [Row(workload, unit, p.name, statistics.median(p.rps) * per_unit,
                 {role: statistics.median(v) for role, v in p.cpu_us.items()}, p.errors,
-                {role: statistics.median(v) for role, v in p.syscalls.items()})
+                {role: statistics.median(v) for role, v in p.syscalls.items()},
+                statistics.median(p.messages) if p.messages else None)
             for p in paths]
 
 
@@ -334,6 +351,7 @@ def run_workload(sim: SimSpec, workloads: list[tuple[str, dict, int, int]],
                 p.rps.clear()
                 p.cpu_us.clear()
                 p.syscalls.clear()
+                p.messages.clear()
                 p.errors = 0
             measure(paths, body, connections, per_unit, args, workdir)
             rows += rows_of(name, "token event" if per_unit > 1 else "request", paths, per_unit)
@@ -449,6 +467,15 @@ def stream_line(rows: list[Row]) -> list[str]:
     if paths:
         out.append("  non-streaming rate against Envoy alone's with the same engine stream: "
                    + ", ".join(f"{r.path} {r.rate / streamed.rate:.1%}" for r in paths))
+    # The rest of Envoy's CPU beside a processor is the messages: per message, what Envoy
+    # spends above relaying the stream alone.
+    counted = [r for r in paths if r.messages]
+    if counted:
+        out.append("  ext_proc messages a request (both ways), and Envoy's CPU above Envoy "
+                   "alone's with the stream, per message: " + ", ".join(
+                       f"{r.path} {r.messages:.1f}, "
+                       f"{(r.cpu['envoy'] - streamed.cpu['envoy']) / r.messages:.1f} us"
+                       for r in counted))
     return ["", *out]
 
 

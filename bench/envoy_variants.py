@@ -119,6 +119,8 @@ def main() -> None:
           f"--reps {args.reps} --connections {args.connections}")
     for line in report(rows):
         print(line)
+    print("\next_proc messages a request (both ways, Envoy's count): " + ", ".join(
+        f"{r.path} {r.messages:.1f}" for r in rows if r.messages))
 
 
 if __name__ == "__main__":

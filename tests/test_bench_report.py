@@ -9,7 +9,7 @@ def rows() -> list[Row]:
     return [
         Row("non-streaming", "request", "envoy", 2000.0, {"envoy": 100.0, "engine": 300.0}, 0),
         Row("non-streaming", "request", "null-compiled", 900.0,
-            {"envoy": 500.0, "narwhal": 80.0, "engine": 550.0}, 0),
+            {"envoy": 500.0, "narwhal": 80.0, "engine": 550.0}, 0, messages=20.0),
         Row("non-streaming", "request", "narwhal-default", 600.0,
             {"envoy": 600.0, "narwhal": 900.0, "engine": 700.0}, 0),
         Row("streaming", "request", "envoy", 1000.0, {"envoy": 400.0, "engine": 560.0}, 0),
@@ -34,6 +34,8 @@ def test_the_non_streaming_rate_is_put_against_envoy_alone_relaying_the_engines_
     assert "the engine 560.0 us a request streamed against 300.0 in one body" in lines[1]
     assert "Envoy 400.0 against 100.0" in lines[1]
     assert lines[2].endswith("null-compiled 90.0%, narwhal-default 60.0%")
+    # (500 - 400) / 20: the only path whose messages were counted
+    assert lines[3].endswith("per message: null-compiled 20.0, 5.0 us")
 
 
 def test_without_a_streaming_row_there_is_nothing_to_put_it_against():
