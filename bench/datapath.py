@@ -263,8 +263,7 @@ def null_path(sim: SimSpec, workdir: Path, compiled: bool = False,
     try:
         dest = f"127.0.0.1:{sim_port}"
         cmd = (null_extproc.compiled_command(sock, dest, workdir) if compiled else
-               [sys.executable, "-m", "bench.null_extproc", "--socket", sock,
-                "--destination", dest])
+               null_extproc.python_command(sock, dest))
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True, cwd=REPO_ROOT))
         deadline = time.monotonic() + 30
@@ -333,6 +332,11 @@ class Row:
     messages: float | None = None  # ext_proc messages per unit, both ways (median)
 
 
+def find(rows: list[Row], workload: str, path: str) -> Row | None:
+    """The row of ``path`` under ``workload``, or None when the run left it out."""
+    return next((r for r in rows if r.workload == workload and r.path == path), None)
+
+
 def rows_of(workload: str, unit: str, paths: list[Route], per_unit: int) -> list[Row]:
     return [Row(workload, unit, p.name, statistics.median(p.rps) * per_unit,
                 {role: statistics.median(v) for role, v in p.cpu_us.items()}, p.errors,
@@ -398,10 +402,8 @@ def workers_line(rows: list[Row]) -> list[str]:
     """workers: 2 against one process: Narwhal's CPU per unit, and the scheduler's share."""
     out = []
     for workload in dict.fromkeys(r.workload for r in rows):
-        one = next((r for r in rows if r.workload == workload and r.path == "narwhal-default"),
-                   None)
-        two = next((r for r in rows if r.workload == workload
-                    and r.path == "narwhal-workers2"), None)
+        one = find(rows, workload, "narwhal-default")
+        two = find(rows, workload, "narwhal-workers2")
         if one is None or two is None:
             continue
         a, b, sched = one.cpu["narwhal"], two.cpu["narwhal"], two.cpu["scheduler"]
@@ -420,15 +422,12 @@ def floor_line(rows: list[Row]) -> list[str]:
     """Each null processor against Narwhal's default: what any Python processor on this
     transport, and any compiled one, costs per unit, what Envoy costs beside it, the
     stack's throughput against Envoy alone's, and Narwhal's own work above the floor."""
-    def row(workload: str, path: str) -> Row | None:
-        return next((r for r in rows if r.workload == workload and r.path == path), None)
-
     out = []
     for workload in dict.fromkeys(r.workload for r in rows):
-        mine, envoy = row(workload, "narwhal-default"), row(workload, "envoy")
+        mine, envoy = find(rows, workload, "narwhal-default"), find(rows, workload, "envoy")
         for path, what in (("null-processor", "a Python processor with no logic"),
                            ("null-compiled", "a compiled processor with no logic")):
-            null = row(workload, path)
+            null = find(rows, workload, path)
             if mine is None or null is None:
                 continue
             floor, own = null.cpu["narwhal"], mine.cpu["narwhal"]
@@ -448,10 +447,7 @@ def stream_line(rows: list[Row]) -> list[str]:
     so the engine writes, and Envoy relays, the streaming row's answer where Envoy alone's
     non-streaming path gets one body: Envoy alone streaming is the rate of the same engine
     work with no processor, and each processor's non-streaming rate is put against it."""
-    def row(workload: str, path: str) -> Row | None:
-        return next((r for r in rows if r.workload == workload and r.path == path), None)
-
-    whole, streamed = row("non-streaming", "envoy"), row("streaming", "envoy")
+    whole, streamed = find(rows, "non-streaming", "envoy"), find(rows, "streaming", "envoy")
     if whole is None or streamed is None:
         return []
     engine = ""
@@ -467,8 +463,8 @@ def stream_line(rows: list[Row]) -> list[str]:
     if paths:
         out.append("  non-streaming rate against Envoy alone's with the same engine stream: "
                    + ", ".join(f"{r.path} {r.rate / streamed.rate:.1%}" for r in paths))
-    # The rest of Envoy's CPU beside a processor is the messages: per message, what Envoy
-    # spends above relaying the stream alone.
+    # Envoy's CPU above relaying the stream alone, over the messages it exchanged: its
+    # per-stream cost is in the figure too (a path with fewer messages reads higher).
     counted = [r for r in paths if r.messages]
     if counted:
         out.append("  ext_proc messages a request (both ways), and Envoy's CPU above Envoy "
@@ -483,9 +479,6 @@ def criteria(rows: list[Row]) -> list[str]:
     """The data-path targets (the project's issue on this cost), each judged on this run:
     Narwhal's CPU against Envoy alone's and against an absolute bound, the stack's
     throughput against Envoy alone's, and ``workers: 2`` against one process."""
-    def row(workload: str, path: str) -> Row | None:
-        return next((r for r in rows if r.workload == workload and r.path == path), None)
-
     out = []
 
     def judge(what: str, ok: bool, measured: str) -> None:
@@ -493,7 +486,7 @@ def criteria(rows: list[Row]) -> list[str]:
 
     for workload, unit, share, bound in (("non-streaming", "request", 1.0, 120.0),
                                          ("paced streams", "token event", 0.3, 8.0)):
-        envoy, one = row(workload, "envoy"), row(workload, "narwhal-default")
+        envoy, one = find(rows, workload, "envoy"), find(rows, workload, "narwhal-default")
         if envoy is None or one is None:
             continue
         mine, theirs = one.cpu["narwhal"], envoy.cpu["envoy"]
@@ -501,12 +494,12 @@ def criteria(rows: list[Row]) -> list[str]:
               mine <= share * theirs and mine <= bound,
               f"{mine:.1f} us, {mine / theirs:.2f}x Envoy's {theirs:.1f}")
         if workload == "non-streaming":
-            streamed = row("streaming", "envoy")
+            streamed = find(rows, "streaming", "envoy")
             against = (f" ({one.rate / streamed.rate:.1%} of Envoy alone's with the engine "
                        "streaming the answer, as it does for Narwhal)" if streamed else "")
             judge("Envoy + Narwhal throughput >= 50% of Envoy alone's",
                   one.rate >= 0.5 * envoy.rate, f"{one.rate / envoy.rate:.1%}{against}")
-        two = row(workload, "narwhal-workers2")
+        two = find(rows, workload, "narwhal-workers2")
         if two is not None:
             workers = two.cpu["narwhal"] - two.cpu["scheduler"]
             judge(f"workers: 2, the workers' CPU per {unit} within 10% of one process's "
@@ -521,7 +514,7 @@ def capacity(rows: list[Row], per_engine_us: float) -> list[str]:
     costs ``per_engine_us`` more for each engine of the pool (measured in process: this
     benchmark's pool is one simulator)."""
     def cost(workload: str, path: str) -> float | None:
-        r = next((r for r in rows if r.workload == workload and r.path == path), None)
+        r = find(rows, workload, path)
         return None if r is None else r.cpu.get("narwhal")
 
     per_req = cost("non-streaming", "narwhal-default") or cost("non-streaming", "narwhal-wide")

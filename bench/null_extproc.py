@@ -27,6 +27,7 @@ import functools
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -85,6 +86,13 @@ def fixed_replies(destination: str) -> list[bytes]:
     return [encode(Headers(False, destination=destination,
                            set=[(DESTINATION_HEADER, destination)])),
             encode(Headers(True)), encode(Trailers(False)), encode(Trailers(True))]
+
+
+def python_command(socket_path: str, destination: str) -> list[str]:
+    """The command line that serves this processor on ``socket_path`` (run from the
+    repository's root)."""
+    return [sys.executable, "-m", "bench.null_extproc", "--socket", socket_path,
+            "--destination", destination]
 
 
 def compiled_command(socket_path: str, destination: str, build_dir: Path) -> list[str]:

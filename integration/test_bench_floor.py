@@ -5,14 +5,13 @@ messages as Narwhal, and answer them alike: their figures are only a floor if th
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import grpc
 import httpx
 import orjson
 import pytest
 from bench.datapath import _listening, null_path
-from bench.null_extproc import compiled_command
+from bench.null_extproc import compiled_command, python_command
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from narwhal.launch import REPO_ROOT, SimSpec
@@ -67,8 +66,7 @@ def test_the_compiled_null_processor_answers_byte_for_byte_as_the_python_one(tmp
                                                            end_of_stream=True)),
             pb.ProcessingRequest(response_trailers=pb.HttpTrailers())]
     python_sock, c_sock = str(tmp_path / "py.sock"), str(tmp_path / "c.sock")
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.null_extproc", "--socket",
-                               python_sock, "--destination", dest], cwd=REPO_ROOT),
+    procs = [subprocess.Popen(python_command(python_sock, dest), cwd=REPO_ROOT),
              subprocess.Popen(compiled_command(c_sock, dest, tmp_path))]
     try:
         for sock in (python_sock, c_sock):
