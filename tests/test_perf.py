@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from narwhal.core.perf import PerfModel, WindowFit
+from narwhal.core.perf import MIN_TTFT_S, PerfModel, WindowFit, _ttft_features
 
 
 def step_engine(work: float, decodes: int, speed: float = 1.0) -> float:
@@ -86,6 +86,38 @@ def test_a_remembered_tpot_projection_follows_every_refit():
     assert after > 2 * before
     assert after == max(1e-4, m.tpot.predict([1.0, 0.8]))  # the fit's own answer
     assert m.tpot_s(9) != after
+
+
+def test_the_ttft_projection_is_the_fits_own_answer_after_every_refit():
+    """``ttft_s`` writes the fit's dot product out (it is asked per engine per decision):
+    it must answer exactly what the fit learned, the features built as learning builds
+    them, before and after refits that move the coefficients."""
+    m = PerfModel(prefill_tps=10000, tpot_ms=20, overhead_ms=5)
+    rng = random.Random(3)
+
+    def asked() -> list[tuple[float, float]]:
+        out = []
+        for _ in range(40):
+            work, decodes = rng.uniform(0, 20000), rng.randrange(0, 300)
+            wait, steps = rng.uniform(0, 0.3), rng.uniform(0, 4)
+            own = m.ttft_s(work, decodes, wait, steps)
+            fit = max(MIN_TTFT_S, m.ttft.predict(_ttft_features(work, decodes, wait, steps)))
+            out.append((own, fit))
+        return out
+
+    thetas = [list(m.ttft.theta)]
+    for pair in asked():
+        assert pair[0] == pair[1]
+    for _ in range(3):
+        for _ in range(60):
+            work, decodes = rng.uniform(50, 12000), rng.randrange(0, 60)
+            m.observe_ttft(work, decodes, step_engine(work, decodes) * rng.uniform(0.5, 3),
+                           rng.uniform(0, 0.2), rng.uniform(0, 2))
+        thetas.append(list(m.ttft.theta))
+        for own, fit in asked():
+            assert own == fit
+    moved = sum(a != b for a, b in zip(thetas[0], thetas[-1], strict=True))
+    assert moved >= 4  # refitted (a coefficient the fit keeps at zero may stay there)
 
 
 def test_prefix_cache_counters_discount_prompts():

@@ -317,7 +317,14 @@ class PerfModel:
         first 20 s of a cold 1.0x cell ran at p90 92% against 67% without the floor
         (replayed on its log; the whole cell 45% floored at once, 44% never, 40.5% after
         32 first tokens)."""
-        fitted = self.ttft.predict(_ttft_features(work, decodes, step_wait, steps))
+        # ``self.ttft.predict(_ttft_features(...))`` written out: asked per engine per
+        # decision (placement projects every engine, 0.4 us a call for the generic form,
+        # 0.17 written out), with the same products summed in the same order, so the
+        # same float (``tests/test_perf.py``).
+        th = self.ttft.theta
+        k = work / 1000
+        fitted = (th[0] + th[1] * k + th[2] * (k * decodes / 100) + th[3] * (decodes / 100)
+                  + th[4] * step_wait + th[5] * steps)
         if self.step_model.judged >= FLOOR_AFTER:
             fitted = max(fitted, steps)
         return max(MIN_TTFT_S, fitted)
