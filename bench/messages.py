@@ -2,7 +2,8 @@
 
     python -m bench.messages [--events N | --requests N [--engines P,Q | --prompt-bytes B,C
                                                         | --clients C [--wide-slots]]]
-                             [--reps R] [--opcodes | --by-message | --instructions]
+                             [--reps R] [--opcodes | --by-message | --instructions
+                                         | --decisions]
 
 An ``h2`` client opens one ext_proc stream on a ``GrpcConnection`` (Narwhal's HTTP/2 and
 gRPC layers, the ext_proc adapter, the driver and the exchange, as served), takes a
@@ -23,6 +24,11 @@ clock valgrind slows) where timings on this shared machine move by 5-10% between
 Both runs make the client's bytes of 2N units and feed N or 2N of them; their counts are
 differenced, so start-up and the client's own work are left out. Like any count, not a
 time, but the one closest to CPU time that a noisy machine cannot move.
+
+``--decisions`` splits a request's time between the router's decisions (the calls the
+exchange makes into admission, placement, the queue, learning and accounting: the
+scheduler's state, which any data path, compiled or not, has to consult) and the rest,
+the data path: what a compiled data path in front of the same decisions could save.
 
 ``--opcodes`` counts the bytecode instructions the interpreter executes per unit instead
 of timing it (``sys.settrace`` with opcode events, so ~50x slower), by module and
@@ -47,7 +53,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
@@ -61,8 +67,12 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from narwhal.config import parse
+from narwhal.core.accounting import Accounting
+from narwhal.core.control import Control
 from narwhal.core.exchange import Phase
 from narwhal.core.router import Router
+from narwhal.core.scheduler import Scheduler
+from narwhal.core.sizing import Sizer
 from narwhal.server.driver import Runtime
 from narwhal.server.extproc import PROCESS_PATH, ExtProcCall
 from narwhal.server.grpc_server import GrpcConnection
@@ -143,16 +153,75 @@ class Opcodes:
                 print(f"    {name:48s} {n / units:8.0f}  {n / total * 100:5.1f}%")
 
 
+class Decisions:
+    """Time a request spends in the router's decisions, the calls the exchange makes into
+    it (admission and placement, the queue, learning, accounting), outermost calls only;
+    the rest of the request is the data path (HTTP/2, gRPC, protobuf, the exchange, SSE,
+    metering, assembly). Why: whether a compiled data path in front of these decisions,
+    kept in Python, could meet the data-path targets. Installed on the classes for one
+    run, counted while measured requests are fed."""
+
+    ENTRY_POINTS = ((Scheduler, "admit"), (Scheduler, "annotate"), (Scheduler, "prompt_facts"),
+                    (Sizer, "estimate"), (Accounting, "offer"), (Router, "not_ready_reason"),
+                    (Router, "pump"), (Control, "served_by"), (Control, "token"),
+                    (Control, "first_token"), (Control, "release"), (Control, "count"),
+                    (Control, "closed"))
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self.by_entry: collections.Counter[str] = collections.Counter()  # seconds
+        self.inside = False
+        self.active = False
+
+    def _wrap(self, method: Callable[..., Any], name: str) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.inside or not self.active:
+                return method(*args, **kwargs)
+            self.inside = True
+            self.calls += 1
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                self.seconds += elapsed
+                self.by_entry[name] += elapsed
+                self.inside = False
+        return timed
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Decisions]:
+        saved = [(cls, name, cls.__dict__[name]) for cls, name in self.ENTRY_POINTS]
+        for cls, name, method in saved:
+            setattr(cls, name, self._wrap(method, f"{cls.__name__}.{name}"))
+        try:
+            yield self
+        finally:
+            for cls, name, method in saved:
+                setattr(cls, name, method)
+
+    def __enter__(self) -> None:
+        self.active = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.active = False
+
+
 WAITING = (Phase.REQUEST_BODY, Phase.MEASURING, Phase.QUEUED)  # a --clients request not yet upstream
 
 # Set by --opcodes: the measured loops run under it instead of being timed.
 COUNT: Opcodes | None = None
+# Set by --decisions: the measured loops are timed, and the decisions within them.
+DECIDING: Decisions | None = None
 
 
 def _feed(conn: GrpcConnection, reads: list[bytes], measured: bool = True) -> float:
     """Feed the reads; their time, or 0 when not measured or counting instructions."""
     timed = measured and COUNT is None
-    counting = COUNT if measured and COUNT is not None else contextlib.nullcontext()
+    active = COUNT if COUNT is not None else DECIDING
+    counting = active if measured and active is not None else contextlib.nullcontext()
     start = time.perf_counter()
     with counting:
         for data in reads:
@@ -422,6 +491,32 @@ def alternated(requests: int, cases: list[tuple[int, int]], reps: int
     return runs
 
 
+def decisions(requests: int, engines: int, reps: int
+              ) -> tuple[float, float, float, dict[str, float]]:
+    """Seconds per request, seconds of it in the router's decisions, the calls into them
+    and the seconds by entry point (``Decisions``): medians of ``reps`` pairs of runs, one
+    plain (the request's time, undisturbed by the timing of each call) and one with the
+    decisions timed, alternated."""
+    global DECIDING
+    whole, deciding, calls = [], [], []
+    entries: dict[str, list[float]] = collections.defaultdict(list)
+    for _ in range(reps):
+        whole.append(asyncio.run(run_requests(requests, warm=requests, engines=engines)))
+        DECIDING = Decisions()
+        try:
+            with DECIDING.installed():
+                asyncio.run(run_requests(requests, warm=requests, engines=engines))
+            deciding.append(DECIDING.seconds / requests)
+            calls.append(DECIDING.calls / requests)
+            for name, seconds in DECIDING.by_entry.items():
+                entries[name].append(seconds / requests)
+        finally:
+            DECIDING = None
+    by_entry = {name: statistics.median(v) for name, v in entries.items()}
+    return (statistics.median(whole), statistics.median(deciding), statistics.median(calls),
+            by_entry)
+
+
 def slope(runs: dict[int, list[float]]) -> float:
     """Seconds each unit of a case adds to a request, from its smallest to its largest:
     each engine of the pool (admission and placement project every serviceable engine),
@@ -457,10 +552,17 @@ def main() -> int:
     parser.add_argument("--instructions", action="store_true",
                         help="count machine instructions per unit under valgrind instead of "
                              "timing (C code and the garbage collector included)")
+    parser.add_argument("--decisions", action="store_true",
+                        help="with --requests: the share of a request's time spent in the "
+                             "router's decisions (admission, placement, the queue, learning, "
+                             "accounting), the rest being the data path")
     parser.add_argument("--only", type=int, default=0, help=argparse.SUPPRESS)  # valgrind's run
     args = parser.parse_args()
-    if (args.by_message or args.clients) and not args.requests:
-        parser.error("--by-message and --clients measure --requests")
+    if (args.by_message or args.clients or args.decisions) and not args.requests:
+        parser.error("--by-message, --clients and --decisions measure --requests")
+    if args.decisions and (args.by_message or args.clients or args.opcodes
+                           or args.instructions or args.prompt_bytes != "0"):
+        parser.error("--decisions times whole requests to pools of --engines on its own")
     if args.clients and (args.by_message or args.engines != "1" or args.prompt_bytes != "0"):
         parser.error("--clients runs one engine and 'hello there' on its own")
     if args.requests:
@@ -532,6 +634,19 @@ def main() -> int:
         print(f"ext_proc server path, in process: {statistics.median(runs) * 1e6:.2f} us per "
               f"{unit} (median of {args.reps} x {n}; min {min(runs) * 1e6:.2f})")
         print(f"reproduce: python -m bench.messages --events {n} --reps {args.reps}")
+        return 0
+    if args.decisions:
+        for p in pools:
+            whole, deciding, calls, by_entry = decisions(n, p, args.reps)
+            print(f"ext_proc server path, in process, {p} engine{'s' if p > 1 else ''}: "
+                  f"{whole * 1e6:.2f} us per {unit}, of which the router's decisions "
+                  f"{deciding * 1e6:.2f} us ({deciding / whole:.0%}, {calls:.0f} calls) and "
+                  f"the data path {(whole - deciding) * 1e6:.2f} us (medians of {args.reps} "
+                  f"x {n})")
+            print("  " + ", ".join(f"{name} {seconds * 1e6:.1f}" for name, seconds in
+                                   sorted(by_entry.items(), key=lambda kv: -kv[1])))
+        print(f"reproduce: python -m bench.messages --requests {n} --engines {args.engines} "
+              f"--reps {args.reps} --decisions")
         return 0
     cases = [(p, b) for p in pools for b in prompts]
     runs_by = alternated(n, cases, args.reps)

@@ -48,3 +48,39 @@ def test_the_throughput_target_is_judged_as_written_and_shown_beside_the_stream(
     assert line.strip().startswith("not met")
     assert line.endswith(": 30.0% (60.0% of Envoy alone's with the engine streaming the "
                          "answer, as it does for Narwhal)")
+
+
+
+class _Toy:
+    def outer(self) -> int:
+        return self.inner() + 1
+
+    def inner(self) -> int:
+        return 1
+
+
+def test_the_decisions_split_times_outermost_calls_while_measuring_and_restores():
+    """``bench.messages --decisions``: a decision that calls another (a first token pumps
+    the queue) is one call, timed once; nothing is counted outside a measured feed; the
+    classes are as they were afterwards, the router's included."""
+    from bench.messages import Decisions
+
+    class ToyDecisions(Decisions):
+        ENTRY_POINTS = ((_Toy, "outer"), (_Toy, "inner"))
+
+    outer, inner = _Toy.outer, _Toy.inner
+    d = ToyDecisions()
+    with d.installed():
+        assert _Toy.outer is not outer
+        assert _Toy().outer() == 2  # not measuring: not counted
+        assert d.calls == 0
+        with d:
+            assert _Toy().outer() == 2  # outer calls inner: one call
+            assert _Toy().inner() == 1
+        assert d.calls == 2 and set(d.by_entry) == {"_Toy.outer", "_Toy.inner"}
+        assert d.seconds == sum(d.by_entry.values()) > 0
+    assert _Toy.outer is outer and _Toy.inner is inner
+    real = {(cls, name): cls.__dict__[name] for cls, name in Decisions.ENTRY_POINTS}
+    with Decisions().installed():
+        assert all(cls.__dict__[name] is not m for (cls, name), m in real.items())
+    assert all(cls.__dict__[name] is m for (cls, name), m in real.items())
