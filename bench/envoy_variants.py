@@ -3,6 +3,7 @@ config, and the same with each of its extras taken out, in front of the compiled
 processor (``bench/null_extproc.c``), side by side with Envoy alone.
 
     python -m bench.envoy_variants [--duration S] [--reps N] [--connections C]
+                                   [--variants shipped,nghttp2,...]
 
 Why it exists: beside any processor, Envoy's own CPU per non-streaming request is ~4x
 what it is alone (``bench.datapath``'s floor lines), which by itself holds the stack near
@@ -11,7 +12,11 @@ access log of failed requests, the metadata forwarded to the processor, the retr
 and the body it buffers for a retry, the local-reply mappers) are part of that cost, with
 a processor cheap enough (a few us a request) not to blur the answer, and whether either
 of Envoy's alternatives for the processor's connection is cheaper: its nghttp2 HTTP/2 codec
-(oghttp2 is the default) or its Google gRPC client (its own Envoy gRPC client is shipped).
+(oghttp2 is the default) or its Google gRPC client (its own Envoy gRPC client is shipped),
+and whether what Envoy does once an ext_proc stream shrinks with two options that touch
+it: the gRPC client's own ``x-envoy-*`` headers left off each stream
+(``skip_envoy_headers``) and the route kept after Narwhal's header mutation
+(``route_cache_action: RETAIN``; the route does not match on the destination header).
 Envoy's own check refuses the one change that would cut messages: trailers cannot be skipped with
 ``FULL_DUPLEX_STREAMED`` bodies.
 """
@@ -84,10 +89,21 @@ def _none(cfg: dict) -> None:
         change(cfg)
 
 
+def _skip_envoy_headers(cfg: dict) -> None:
+    ext_proc = connection_manager(cfg)["http_filters"][0]["typed_config"]
+    ext_proc["grpc_service"]["envoy_grpc"]["skip_envoy_headers"] = True
+
+
+def _retain_route(cfg: dict) -> None:
+    ext_proc = connection_manager(cfg)["http_filters"][0]["typed_config"]
+    ext_proc["route_cache_action"] = "RETAIN"
+
+
 VARIANTS: dict[str, Callable[[dict], None] | None] = {
     "shipped": None, "no-access-log": _no_access_log, "no-metadata": _no_metadata,
     "no-retry": _no_retry, "no-local-reply": _no_local_reply, "none-of-them": _none,
-    "nghttp2": _nghttp2, "google-grpc": _google_grpc}
+    "nghttp2": _nghttp2, "google-grpc": _google_grpc,
+    "skip-envoy-headers": _skip_envoy_headers, "retain-route": _retain_route}
 
 
 def main() -> None:
@@ -95,7 +111,12 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=4.0, help="seconds per run")
     parser.add_argument("--reps", type=int, default=3, help="runs per path (median reported)")
     parser.add_argument("--connections", type=int, default=8, help="wrk connections")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated, of: " + ", ".join(VARIANTS))
     args = parser.parse_args()
+    chosen = args.variants.split(",")
+    if unknown := set(chosen) - set(VARIANTS):
+        parser.error(f"--variants: unknown {', '.join(sorted(unknown))}")
     body = {"model": MODEL, "max_tokens": 16, "stream": False,
             "messages": [{"role": "user", "content": "hello there"}]}
     sim = SimSpec("instant")
@@ -104,7 +125,8 @@ def main() -> None:
         sims = Stack(sims=[dataclasses.replace(sim, port=0)], workdir=workdir).start_sims()
         try:
             paths.append(envoy_alone(sims.sims[0].port, workdir, engine_pid(sims)))
-            for name, change in VARIANTS.items():
+            for name in chosen:
+                change = VARIANTS[name]
                 paths.append(null_path(sim, workdir, compiled=True, envoy_change=change,
                                        name=name))
             measure(paths, body, args.connections, 1, args, workdir)
@@ -116,7 +138,7 @@ def main() -> None:
     print("Envoy's own CPU beside the compiled null processor (its CPU in the narwhal "
           f"column), by Envoy config; medians of {args.reps} x {args.duration:g}s")
     print(f"reproduce: python -m bench.envoy_variants --duration {args.duration:g} "
-          f"--reps {args.reps} --connections {args.connections}")
+          f"--reps {args.reps} --connections {args.connections} --variants {args.variants}")
     for line in report(rows):
         print(line)
     print("\next_proc messages a request (both ways, Envoy's count): " + ", ".join(
