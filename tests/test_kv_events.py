@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from narwhal.config import parse
 from narwhal.core.chat_prompt import PromptIds
+from narwhal.core.engines import EngineState
 from narwhal.core.kv_events import KvBlocks, KvEventError, PromptKeys, Replay, chain, decode_batch
 from narwhal.core.placement import project
 from narwhal.core.pool import Scrape
@@ -250,6 +251,46 @@ def test_events_are_live_until_one_is_overdue_after_a_dispatch():
     assert kv.live(200.0)
 
 
+def test_a_dispatch_that_stores_no_whole_block_leaves_the_events_live():
+    """A batch is due after a dispatch only where the prompt has a whole block the engine
+    does not hold: a prompt whose whole blocks are all held (a cached prefix, a tail
+    shorter than a block) makes the engine publish nothing, and must not read as the
+    events having stopped once ``stale_s`` has passed. Unknown IDs arm the check."""
+    kv = KvBlocks(100, stale_s=5.0)
+    kv.apply(decode_batch(batch(stored([b"a", b"b"], None, list(range(8))))), 10.0)
+    kv.dispatched(100.0, PromptKeys([*range(8), 50, 51, 52]))  # 2 whole blocks, both held
+    kv.dispatched(101.0, PromptKeys(list(range(9))))  # the same prefix, its last token
+    kv.dispatched(102.0, PromptKeys([0, 1, 2]))  # no whole block at all
+    assert kv.live(200.0)
+    kv.dispatched(103.0, PromptKeys([*range(8), 50, 51, 52, 53, 54]))  # a third block: new
+    assert kv.live(108.0) and not kv.live(108.1)
+    kv.apply([], 110.0)  # the batch came
+    assert kv.live(200.0)
+    kv.dispatched(201.0, None)  # IDs unknown: armed, as any dispatch was
+    assert not kv.live(206.1)
+    kv.apply([], 207.0)
+    empty = KvBlocks(100, stale_s=5.0)  # nothing stored yet: no block size to judge by
+    empty.apply([], 1.0)
+    empty.dispatched(2.0, PromptKeys(list(range(3))))
+    assert not empty.live(7.1)
+
+
+def test_placement_arms_the_events_check_with_the_placed_prompt():
+    now = [100.0]
+    router, e = engine_with_two_blocks(now)
+    held = Ticket(object(), 10, now[0], 30.0, now[0] + 60)
+    held.prompt_ids = PromptKeys([*range(8), 99, 98])  # its whole blocks are the engine's
+    assert router.scheduler._place(held, now[0], [project(e, held, now=now[0])]) is e
+    assert held.prompt_ids is None  # let go once placed, as before
+    now[0] += 6.0
+    assert e.kv.live(now[0])  # nothing was due from it
+    new = Ticket(object(), 13, now[0], 30.0, now[0] + 60)
+    new.prompt_ids = PromptKeys([*range(8), 7, 7, 7, 7, 1])  # a third whole block
+    assert router.scheduler._place(new, now[0], [project(e, new, now=now[0])]) is e
+    now[0] += 6.0
+    assert not e.kv.live(now[0])  # its block never came: the events are overdue
+
+
 def router_with_events(clock) -> Router:
     r = Router(parse({"engines": [
         {"name": "a", "url": "http://127.0.0.1:1", "kv_events": "tcp://127.0.0.1:5557"}]}),
@@ -261,12 +302,19 @@ def router_with_events(clock) -> Router:
     return r
 
 
-def test_projection_counts_only_the_reported_uncached_prompt_and_falls_back_when_stale():
-    now = [100.0]
+def engine_with_two_blocks(now: list[float]) -> tuple[Router, EngineState]:
+    """A router on a fake clock whose one engine reported two blocks of tokens 0-7."""
     router = router_with_events(lambda: now[0])
     e = router.engines[0]
     assert e.kv is not None
     router.pool.observe_kv_events(e, batch(stored([b"a", b"b"], None, list(range(8)))), now[0])
+    return router, e
+
+
+def test_projection_counts_only_the_reported_uncached_prompt_and_falls_back_when_stale():
+    now = [100.0]
+    router, e = engine_with_two_blocks(now)
+    assert e.kv is not None
     t = Ticket(object(), 10, now[0], 1.0, now[0] + 60)
     t.prompt_ids = PromptKeys(list(range(10)))
     c = project(e, t, now=now[0])

@@ -311,9 +311,9 @@ class Scheduler:
         t.predicted_cached = round(picked.cached * t.tokens)
         if t.blocks or t.prompt_ids:
             e.prompt_sent(t.tokens, picked.cached)
-        t.prompt_ids = None  # placed: only the prefix index's blocks are used from now
         if e.kv is not None:
-            e.kv.dispatched(now)
+            e.kv.dispatched(now, t.prompt_ids)
+        t.prompt_ids = None  # placed: only the prefix index's blocks are used from now
         _book(e, t)
         t.work_ahead = e.prefill_work
         t.decodes_at_dispatch = e.decode + e.prefill - 1  # as projected (placement.project)
