@@ -48,6 +48,11 @@ def connection_manager(cfg: dict) -> dict[str, Any]:
     return listener["filter_chains"][0]["filters"][0]["typed_config"]
 
 
+def ext_proc_filter(cfg: dict) -> dict[str, Any]:
+    """The shipped config's ext_proc filter (its gRPC service, processing mode...)."""
+    return connection_manager(cfg)["http_filters"][0]["typed_config"]
+
+
 def _route(cfg: dict) -> dict[str, Any]:
     return connection_manager(cfg)["route_config"]["virtual_hosts"][0]["routes"][0]
 
@@ -57,7 +62,7 @@ def _no_access_log(cfg: dict) -> None:
 
 
 def _no_metadata(cfg: dict) -> None:
-    del connection_manager(cfg)["http_filters"][0]["typed_config"]["metadata_options"]
+    del ext_proc_filter(cfg)["metadata_options"]
 
 
 def _no_retry(cfg: dict) -> None:
@@ -80,8 +85,8 @@ def _google_grpc(cfg: dict) -> None:
         "address"]
     target = (f"unix:{address['pipe']['path']}" if "pipe" in address else
               "{address}:{port_value}".format(**address["socket_address"]))
-    ext_proc = connection_manager(cfg)["http_filters"][0]["typed_config"]
-    ext_proc["grpc_service"] = {"google_grpc": {"target_uri": target, "stat_prefix": "narwhal"}}
+    ext_proc_filter(cfg)["grpc_service"] = {"google_grpc": {"target_uri": target,
+                                                            "stat_prefix": "narwhal"}}
 
 
 def _none(cfg: dict) -> None:
@@ -90,13 +95,11 @@ def _none(cfg: dict) -> None:
 
 
 def _skip_envoy_headers(cfg: dict) -> None:
-    ext_proc = connection_manager(cfg)["http_filters"][0]["typed_config"]
-    ext_proc["grpc_service"]["envoy_grpc"]["skip_envoy_headers"] = True
+    ext_proc_filter(cfg)["grpc_service"]["envoy_grpc"]["skip_envoy_headers"] = True
 
 
 def _retain_route(cfg: dict) -> None:
-    ext_proc = connection_manager(cfg)["http_filters"][0]["typed_config"]
-    ext_proc["route_cache_action"] = "RETAIN"
+    ext_proc_filter(cfg)["route_cache_action"] = "RETAIN"
 
 
 VARIANTS: dict[str, Callable[[dict], None] | None] = {

@@ -168,11 +168,14 @@ class Decisions:
                     (Control, "closed"))
 
     def __init__(self) -> None:
-        self.seconds = 0.0
         self.calls = 0
         self.by_entry: collections.Counter[str] = collections.Counter()  # seconds
         self.inside = False
         self.active = False
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.by_entry.values())
 
     def _wrap(self, method: Callable[..., Any], name: str) -> Callable[..., Any]:
         @functools.wraps(method)
@@ -185,9 +188,7 @@ class Decisions:
             try:
                 return method(*args, **kwargs)
             finally:
-                elapsed = time.perf_counter() - start
-                self.seconds += elapsed
-                self.by_entry[name] += elapsed
+                self.by_entry[name] += time.perf_counter() - start
                 self.inside = False
         return timed
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from bench.envoy_variants import VARIANTS, connection_manager
+from bench.envoy_variants import VARIANTS, ext_proc_filter
 
 from narwhal.launch import ENVOY_CONFIG, REPO_ROOT, envoy_binary, render_envoy
 
@@ -43,7 +43,7 @@ def test_validation_catches_a_broken_config(tmp_path):
 
 def test_ext_proc_wiring():
     cfg = yaml.safe_load(ENVOY_CONFIG.read_text())
-    ext = connection_manager(cfg)["http_filters"][0]["typed_config"]
+    ext = ext_proc_filter(cfg)
     assert ext["failure_mode_allow"] is False
     mode = ext["processing_mode"]
     assert mode["request_body_mode"] == mode["response_body_mode"] == "FULL_DUPLEX_STREAMED"
@@ -95,7 +95,7 @@ def test_each_envoy_cost_variant_takes_out_its_extra_and_still_validates(tmp_pat
 def test_envoy_refuses_skipping_trailers_with_full_duplex_bodies(tmp_path):
     """Why the trailer messages stay in every request (``bench.envoy_variants``)."""
     cfg = render_envoy(18080, 19901, 19002)
-    mode = connection_manager(cfg)["http_filters"][0]["typed_config"]["processing_mode"]
+    mode = ext_proc_filter(cfg)["processing_mode"]
     mode["request_trailer_mode"] = "SKIP"
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -268,7 +268,6 @@ def test_a_dispatch_that_stores_no_whole_block_leaves_the_events_live():
     assert kv.live(200.0)
     kv.dispatched(201.0, None)  # IDs unknown: armed, as any dispatch was
     assert not kv.live(206.1)
-    kv.apply([], 207.0)
     empty = KvBlocks(100, stale_s=5.0)  # nothing stored yet: no block size to judge by
     empty.apply([], 1.0)
     empty.dispatched(2.0, PromptKeys(list(range(3))))

@@ -32,6 +32,12 @@ def _ask(pair: Pair, system: str, user: str, **extra: str) -> tuple[int, int, in
     return int(r.headers["x-narwhal-predicted-cached-tokens"]), cached, usage["prompt_tokens"]
 
 
+def _blocks_now(pair: Pair) -> int:
+    """The blocks Narwhal holds for the engine, once it knows the engine's block size."""
+    return wait_for(lambda: (k := pair.engine_status()["kv_events"])["block_size"] and k)[
+        "blocks"]
+
+
 def _blocks_of(pair: Pair, before: int, prompt: int) -> Callable[[], dict | None]:
     """A wait for the engine's status once Narwhal holds a new prompt's whole blocks (more
     than ``before``, what it held before the prompt was sent). Counts from earlier
@@ -49,10 +55,10 @@ def _blocks_of(pair: Pair, before: int, prompt: int) -> Callable[[], dict | None
 
 def test_predicted_cached_tokens_are_the_engines_own(kv_pair):
     system = f"You are a careful assistant {uuid.uuid4()} who answers in verse. " * 16
-    before = wait_for(lambda: (k := kv_pair.engine_status()["kv_events"])["block_size"] and k)
+    before = _blocks_now(kv_pair)
     predicted, cached, prompt = _ask(kv_pair, system, "what is a cat")
     assert predicted == cached == 0 and prompt > 256  # a new prompt: nothing cached
-    st = wait_for(_blocks_of(kv_pair, before["blocks"], prompt))  # the engine published them
+    st = wait_for(_blocks_of(kv_pair, before, prompt))  # the engine published them
     assert st["prefix_source"] == "kv-events" and st["kv_events"]["errors"] == 0
     assert st["kv_events"]["complete"]  # from the engine's first batch (live or replayed)
     metrics = httpx.get(f"{kv_pair.stack.admin_url}/metrics", timeout=5).text
@@ -104,9 +110,9 @@ def test_a_narwhal_started_after_the_engine_served_learns_its_cache_by_replay(
     Likewise for an engine found by DNS discovery (its KV sockets: the discovery's ports
     on the address it resolved)."""
     system = f"You are a terse assistant {uuid.uuid4()} who answers in prose. " * 16
-    before = wait_for(lambda: (k := kv_pair.engine_status()["kv_events"])["block_size"] and k)
+    before = _blocks_now(kv_pair)
     _, _, prompt = _ask(kv_pair, system, "what is a fish")  # through the first Narwhal
-    first = wait_for(_blocks_of(kv_pair, before["blocks"], prompt))["kv_events"]["blocks"]
+    first = wait_for(_blocks_of(kv_pair, before, prompt))["kv_events"]["blocks"]
 
     def held(p: Pair) -> dict | None:
         """Every block the first Narwhal holds (the fish prompt's among them), replayed."""
