@@ -134,9 +134,13 @@ def tools_pair(vllm_servers) -> Iterator[Pair]:
 def workers_pair(vllm_servers) -> Iterator[Pair]:
     """The tools server behind Narwhal with serving.workers: 2 (the response phase runs in
     worker processes; tokens are counted on the scheduler from their reports)."""
+    yield from _pair(vllm_servers["tools"], serving=_workers_serving())
+
+
+def _workers_serving() -> dict:
+    """serving.workers: 2, reached over Unix sockets (as the chart's sidecar mode)."""
     sock = str(Path(tempfile.mkdtemp(prefix="nw-")) / "x.sock")
-    yield from _pair(vllm_servers["tools"],
-                     serving={"model": SERVED_MODEL, "workers": 2, "extproc_socket": sock})
+    return {"model": SERVED_MODEL, "workers": 2, "extproc_socket": sock}
 
 
 # The small model's engine behind a budget of a few of its prefills (each ~1 s here).
@@ -170,11 +174,22 @@ def kv_pair(vllm_servers) -> Iterator[Pair]:
     yield from kv_stack(vllm_servers["kv"])
 
 
-def kv_stack(server: VllmServer, discovered: bool = False) -> Iterator[Pair]:
+@pytest.fixture(scope="session")
+def kv_workers_pair(vllm_servers) -> Iterator[Pair]:
+    """The same engine behind a Narwhal with serving.workers: 2: the scheduler process
+    subscribes and places; the workers relay the answers."""
+    yield from kv_stack(vllm_servers["kv"], workers=True)
+
+
+def kv_stack(server: VllmServer, discovered: bool = False, workers: bool = False
+             ) -> Iterator[Pair]:
     """A Narwhal subscribed to ``server``'s KV events (another one may be started later:
     it learns what the engine already holds from the replay socket). ``discovered``: the
-    engine comes from DNS discovery, its KV sockets from the discovery's ports."""
+    engine comes from DNS discovery, its KV sockets from the discovery's ports;
+    ``workers``: with serving.workers: 2."""
     extra: dict = {"sizing": {"tokenizer": str(server.model_dir / "tokenizer.json")}}
+    if workers:
+        extra["serving"] = _workers_serving()
     if discovered:
         extra["engines"] = {"discovery": "dns", "name": "127.0.0.1", "port": server.port,
                             "kv_events_port": int(server.kv_events.rsplit(":", 1)[1]),

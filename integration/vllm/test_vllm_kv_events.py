@@ -53,7 +53,15 @@ def _blocks_of(pair: Pair, before: int, prompt: int) -> Callable[[], dict | None
     return stored
 
 
-def test_predicted_cached_tokens_are_the_engines_own(kv_pair):
+# One process, and serving.workers: 2 (the scheduler process subscribes and places, the
+# workers relay the answers).
+PAIRS = pytest.mark.parametrize("variant", ["kv_pair", "kv_workers_pair"],
+                                ids=["one-process", "workers"])
+
+
+@PAIRS
+def test_predicted_cached_tokens_are_the_engines_own(request, variant):
+    kv_pair = request.getfixturevalue(variant)
     system = f"You are a careful assistant {uuid.uuid4()} who answers in verse. " * 16
     before = _blocks_now(kv_pair)
     predicted, cached, prompt = _ask(kv_pair, system, "what is a cat")
@@ -133,7 +141,8 @@ def test_a_narwhal_started_after_the_engine_served_learns_its_cache_by_replay(
     assert predicted == cached
 
 
-def test_a_reply_is_cached_and_the_next_turn_that_carries_it_finds_it(kv_pair):
+@PAIRS
+def test_a_reply_is_cached_and_the_next_turn_that_carries_it_finds_it(request, variant):
     """vLLM caches a sequence's generated blocks as well as its prompt's (the premise of
     the simulator's reply caching and of the index's): the next turn of a conversation,
     whose prompt carries the reply, finds the reply's blocks cached, and Narwhal, from
@@ -141,6 +150,7 @@ def test_a_reply_is_cached_and_the_next_turn_that_carries_it_finds_it(kv_pair):
     bias: random weights), chosen so that its text tokenizes back to the same IDs."""
     from tokenizers import Tokenizer
 
+    kv_pair = request.getfixturevalue(variant)
     tok = Tokenizer.from_file(str(kv_pair.engine.model_dir / "tokenizer.json"))
     word = next(t for t in range(300, tok.get_vocab_size())
                 if (text := tok.decode([t] * 4)).strip() and text.isascii()
