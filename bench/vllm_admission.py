@@ -12,7 +12,8 @@ token and ~14 ms an output token on one thread of this machine, so that its queu
 seconds deep under load, not noise), ``--max-num-seqs 8``, chunked prefill, prefix caching
 off. Narwhal runs its defaults (four prefill slots per engine, the model seeds, drift
 scoring) but for the TTFT target (``--budget-ms``) and the request limits a queue of this
-depth needs. The engine shares this machine's two cores with Envoy, Narwhal and the load
+depth needs; the path ``least-work`` runs it with the scheduling benchmark's goodput
+settings instead (``NARWHAL_PATHS``). The engine shares this machine's two cores with Envoy, Narwhal and the load
 generator: its speed moves with their load, which is the point (nothing holds it still).
 
 Workload: single-turn streaming chat, prompts lognormal (median ~250 tokens, at most
@@ -43,7 +44,15 @@ from bench import scratch
 from bench.scheduling import Result, StatusTrace, _fmt, dump, profiled, stream, summarize
 from narwhal.launch import Stack
 
-PATHS = ("narwhal", "direct")
+# Narwhal's settings by path: its defaults, and the goodput settings the scheduling
+# benchmark recommends (the least-work queue order, prefill bounded at 1,536 tokens an
+# engine: three quarters of vLLM's 2,048-token step).
+NARWHAL_PATHS: dict[str, dict] = {
+    "narwhal": {},
+    "least-work": {"admission": {"queue_order": "least-work"},
+                   "scheduler": {"max_prefill_tokens_per_engine": 1536}},
+}
+PATHS = (*NARWHAL_PATHS, "direct")
 WORDS = ("the quick brown fox jumps over lazy dog narwhal tusk ocean arctic ice whale pod "
          "swim deep cold water light wave router engine token prefill decode budget").split()
 CLIENT_TIMEOUT_S = 120.0
@@ -105,13 +114,20 @@ async def saturate(url: str, clients: int, warmup: float, duration: float) -> fl
     return len(counted) / duration
 
 
-def narwhal(engine: VllmServer, budget_ms: int) -> Stack:
-    config = {
+def narwhal_config(name: str, url: str, budget_ms: int, path: str = "narwhal") -> dict:
+    """Narwhal's configuration for ``path`` in front of the engine ``name`` at ``url``."""
+    extra = NARWHAL_PATHS[path]
+    return {
         "serving": {"model": SERVED_MODEL},
         "admission": {"mode": "predictive", "ttft_target_ms": budget_ms, "queue_limit": 1024,
-                      "retention_limit": 4096, "max_wait_ms": 600_000},
-        "engines": [{"name": engine.name, "url": engine.url, "dialect": "vllm"}],
-    }
+                      "retention_limit": 4096, "max_wait_ms": 600_000,
+                      **extra.get("admission", {})},
+        "engines": [{"name": name, "url": url, "dialect": "vllm"}],
+    } | {k: v for k, v in extra.items() if k != "admission"}
+
+
+def narwhal(engine: VllmServer, budget_ms: int, path: str = "narwhal") -> Stack:
+    config = narwhal_config(engine.name, engine.url, budget_ms, path)
     stack = Stack(sims=[], config=config, model=SERVED_MODEL).start()
     profiled(stack)
     return stack
@@ -148,7 +164,8 @@ def main() -> int:
             direct_url = f"{engine.url}/v1/chat/completions"
             capacity = args.capacity or asyncio.run(saturate(direct_url, 16, 15.0, 45.0))
             for path in paths:
-                stack = narwhal(engine, args.budget_ms) if path == "narwhal" else None
+                stack = (narwhal(engine, args.budget_ms, path) if path in NARWHAL_PATHS
+                         else None)
                 try:
                     url = (f"{stack.url}/v1/chat/completions" if stack is not None
                            else direct_url)
@@ -176,12 +193,12 @@ def main() -> int:
     print(f"reproduce: python -m bench.vllm_admission --duration {args.duration:g} --warmup "
           f"{args.warmup:g} --loads {args.loads} --budget-ms {args.budget_ms} --capacity "
           f"{capacity:.2f} --paths {args.paths} --seed {args.seed}")
-    print(f"{'path':8} {'load':>4} {'req/s':>6} {'goodput':>7} {'in-budget':>9} {'TTFT p50':>8} "
+    print(f"{'path':10} {'load':>4} {'req/s':>6} {'goodput':>7} {'in-budget':>9} {'TTFT p50':>8} "
           f"{'p90':>7} {'p99':>7} {'refused':>7} {'other':>5} {'pred p50/p90/MAPE':>19}")
     for path, load, s in rows:
         err = (f"{_fmt(s['err50'], True)}/{_fmt(s['err90'], True)}/{_fmt(s['mape'], True)}"
                if s["err50"] is not None else "-")
-        print(f"{path:8} {load:>4g} {s['offered'] / args.duration:6.2f} {s['goodput']:7.2f} "
+        print(f"{path:10} {load:>4g} {s['offered'] / args.duration:6.2f} {s['goodput']:7.2f} "
               f"{s['in_budget']:9.1%} {_fmt(s['ttft50']):>8} {_fmt(s['ttft90']):>7} "
               f"{_fmt(s['ttft99']):>7} {s['refused']:7.1%} {s['other']:5d} {err:>19}")
     return 0

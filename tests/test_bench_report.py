@@ -84,3 +84,22 @@ def test_the_decisions_split_times_outermost_calls_while_measuring_and_restores(
     with Decisions().installed():
         assert all(cls.__dict__[name] is not m for (cls, name), m in real.items())
     assert all(cls.__dict__[name] is m for (cls, name), m in real.items())
+
+
+def test_each_real_vllm_admission_path_is_a_valid_config_with_its_settings():
+    """``bench.vllm_admission``'s Narwhal paths: the defaults, and the least-work order with
+    the prefill token bound (a typo in a setting's name fails config parsing here, not
+    minutes into a run)."""
+    from bench.vllm_admission import NARWHAL_PATHS, narwhal_config
+
+    from narwhal.config import parse
+
+    configs = {p: parse(narwhal_config("e", "http://127.0.0.1:8000", 3000, p))
+               for p in NARWHAL_PATHS}
+    default, least = configs["narwhal"], configs["least-work"]
+    assert (default.admission.queue_order, default.scheduler.max_prefill_tokens_per_engine) \
+        == ("fifo", 0)
+    assert (least.admission.queue_order, least.scheduler.max_prefill_tokens_per_engine) \
+        == ("least-work", 1536)
+    assert least.admission.ttft_target_ms == default.admission.ttft_target_ms == 3000
+    assert least.admission.queue_limit == 1024  # the path's settings add to the common ones
