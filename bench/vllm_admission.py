@@ -13,8 +13,9 @@ seconds deep under load, not noise), ``--max-num-seqs 8``, chunked prefill, pref
 off. Narwhal runs its defaults (four prefill slots per engine, the model seeds, drift
 scoring) but for the TTFT target (``--budget-ms``) and the request limits a queue of this
 depth needs; the path ``least-work`` runs it with the scheduling benchmark's goodput
-settings instead (``NARWHAL_PATHS``). The engine shares this machine's two cores with Envoy, Narwhal and the load
-generator: its speed moves with their load, which is the point (nothing holds it still).
+settings instead (``NARWHAL_PATHS``). The engine shares this machine's two cores with
+Envoy, Narwhal and the load generator: its speed moves with their load, which is the
+point (nothing holds it still).
 
 Workload: single-turn streaming chat, prompts lognormal (median ~250 tokens, at most
 ~1,100), ``max_tokens`` lognormal (median 24, at most 96; a random-weight model seldom
