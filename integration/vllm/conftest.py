@@ -5,8 +5,10 @@ each behind its own Envoy + Narwhal. Over the tiny model, started once per test 
 * ``reasoning``: ``--reasoning-parser deepseek_r1``
 * ``kv``: prefix caching on, publishing its KV-cache events
 
-and over the small model, for the admission tests that need a backlog held on the
-engine, started for their module only: ``small`` (``small_pair``).
+and over the small model, where an engine's prefill must take long enough to be seen
+(~1 ms a prompt token), started for their module only: ``small`` (``small_pair``) for
+the admission tests that need a backlog held on the engine, and two publishing KV
+events in one pool (``kv_pool_pair``) for placement by what each engine holds.
 """
 
 from __future__ import annotations
@@ -40,6 +42,15 @@ def kv_variant(port: int, replay_port: int) -> list[str]:
             json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                         "endpoint": f"tcp://*:{port}", "topic": "kv",
                         "replay_endpoint": f"tcp://*:{replay_port}"})]
+
+
+def kv_server(name: str, model: Path, root: Path) -> VllmServer:
+    """A vLLM server (not yet spawned) with prefix caching on, publishing its KV events."""
+    kv_port, replay_port = free_port(), free_port()
+    server = VllmServer(name, model, root, kv_variant(kv_port, replay_port))
+    server.kv_events = f"tcp://127.0.0.1:{kv_port}"
+    server.kv_replay = f"tcp://127.0.0.1:{replay_port}"
+    return server
 
 
 @dataclass
@@ -82,15 +93,12 @@ class Pair:
 
 @pytest.fixture(scope="session")
 def vllm_servers(tmp_path_factory) -> Iterator[dict[str, VllmServer]]:
-    """Both servers start at once (each ~1 min and ~3 GB on 2 cores)."""
+    """The servers start at once (each ~1 min and ~3 GB on 2 cores)."""
     root: Path = tmp_path_factory.mktemp("vllm")
     model = built_model(root / "model")
     servers = {name: VllmServer(f"vllm-{name}", model, root, args) for name, args in
                VARIANTS.items()}
-    kv_port, replay_port = free_port(), free_port()
-    servers["kv"] = VllmServer("vllm-kv", model, root, kv_variant(kv_port, replay_port))
-    servers["kv"].kv_events = f"tcp://127.0.0.1:{kv_port}"
-    servers["kv"].kv_replay = f"tcp://127.0.0.1:{replay_port}"
+    servers["kv"] = kv_server("vllm-kv", model, root)
     try:
         for server in servers.values():
             server.spawn()
@@ -102,16 +110,22 @@ def vllm_servers(tmp_path_factory) -> Iterator[dict[str, VllmServer]]:
             server.stop()
 
 
-def _pair(server: VllmServer, **extra: dict) -> Iterator[Pair]:
+def _engine(server: VllmServer) -> dict:
     engine = {"name": server.name, "url": server.url, "dialect": "vllm"}
     if server.kv_events:
         engine["kv_events"] = server.kv_events
         engine["kv_replay"] = server.kv_replay
+    return engine
+
+
+def _pair(server: VllmServer, **extra: dict) -> Iterator[Pair]:
+    """``server`` behind Envoy + Narwhal (``extra``: configuration sections that replace
+    the defaults here, ``engines`` included)."""
     config = {
         "serving": {"model": SERVED_MODEL},
         # Wire fidelity is under test here, not admission: a budget no CPU prefill misses.
         "admission": {"ttft_target_ms": 120_000, "max_ttft_target_ms": 120_000},
-        "engines": [engine],
+        "engines": [_engine(server)],
         # Two CPU vLLMs share 2 cores with the tests: /health can take seconds.
         # Their timing is CPU contention, not drift: do not re-learn on it.
         "telemetry": {"health_timeout_ms": 5000, "stale_after_ms": 30_000,
@@ -179,6 +193,30 @@ def kv_workers_pair(vllm_servers) -> Iterator[Pair]:
     """The same engine behind a Narwhal with serving.workers: 2: the scheduler process
     subscribes and places; the workers relay the answers."""
     yield from kv_stack(vllm_servers["kv"], workers=True)
+
+
+@pytest.fixture(scope="module")
+def kv_pool_pair(tmp_path_factory) -> Iterator[Pair]:
+    """Two vLLMs over the small model, prefix caching on and publishing their KV events,
+    behind one Narwhal (``Pair.engine``: the first). The small model: on the tiny one a
+    1,000-token prefill takes a few milliseconds, within the noise of the TTFT fit's
+    first samples on this busy machine, so that a fit may learn prefill as free and
+    place by other terms (seen here: a question went to the engine that did not hold
+    its system prompt); at ~1 ms a token, a cached prefix is a second less. Module-scoped:
+    their ~6 GB are given back when the module's tests end."""
+    root: Path = tmp_path_factory.mktemp("vllm-kv-pool")
+    model = built_model(root / "model", "small")
+    servers = [kv_server(f"vllm-pool{i}", model, root) for i in range(2)]
+    try:
+        for server in servers:
+            server.spawn()
+        for server in servers:
+            server.wait()
+        yield from _pair(servers[0], engines=[_engine(s) for s in servers],
+                         sizing={"tokenizer": str(model / "tokenizer.json")})
+    finally:
+        for server in servers:
+            server.stop()
 
 
 def kv_stack(server: VllmServer, discovered: bool = False, workers: bool = False

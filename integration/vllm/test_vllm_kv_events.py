@@ -181,3 +181,44 @@ def test_a_reply_is_cached_and_the_next_turn_that_carries_it_finds_it(request, v
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     assert cached == full * block > (prompt // block + 1) * block  # whole reply blocks
     assert int(r.headers["x-narwhal-predicted-cached-tokens"]) == cached
+
+
+
+def test_each_prompt_goes_to_the_engine_whose_events_hold_its_prefix(kv_pool_pair):
+    """Two vLLMs publishing their KV events behind one Narwhal (the small model: a cached
+    prefix saves about a second of prefill there). A long system prompt is
+    sent straight to one of them (around Narwhal, as a client with the engine's address
+    or another router would); once that engine's events report its blocks, Narwhal sends
+    the next questions on that prefix there, and predicts exactly what vLLM finds cached.
+    Done for each engine in turn, so that whichever engine Narwhal prefers for a prompt
+    nobody holds, one round goes against that preference (a placement blind to the
+    events sends both rounds to one engine). Both engines are first profiled and
+    eligible: a stack is ready with one, and an engine still profiling takes nothing."""
+    wait_for(lambda: all(e["eligible"] for e in kv_pool_pair.status()["engines"]))
+    for e in reversed(kv_pool_pair.status()["engines"]):
+        _prefix_round(kv_pool_pair, e["name"], e["url"])
+
+
+def _pool_engine(pair: Pair, name: str) -> dict:
+    return next(e for e in pair.status()["engines"] if e["name"] == name)
+
+
+def _prefix_round(pair: Pair, name: str, url: str) -> None:
+    """A new system prompt straight to the engine ``name`` at ``url``; two questions on it
+    through Narwhal, each served there and predicted exactly."""
+    system = f"You are a patient assistant {uuid.uuid4()} who answers in prose. " * 16
+    kv = wait_for(lambda: (k := _pool_engine(pair, name)["kv_events"])["block_size"] and k)
+    with httpx.Client(base_url=url, timeout=120) as direct:
+        r = direct.post(CHAT, json={"model": SERVED_MODEL, "max_tokens": 2, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": "hello"}]})
+    assert r.status_code == 200, r.text
+    block, whole = kv["block_size"], (r.json()["usage"]["prompt_tokens"] - 1) // kv["block_size"]
+    held = kv["blocks"] + whole
+    wait_for(lambda: (k := _pool_engine(pair, name)["kv_events"])["blocks"] >= held
+             and k["live"])
+    for user in ("what is a dog", "what is a bird"):
+        before = {e["name"]: e["completed"] for e in pair.settled()["engines"]}
+        predicted, cached, _ = _ask(pair, system, user)
+        after = {e["name"]: e["completed"] for e in pair.settled()["engines"]}
+        assert [n for n in after if after[n] > before[n]] == [name]
+        assert cached >= 2 * block and predicted == cached
