@@ -10,7 +10,9 @@ with itself; and Narwhal's measured output tokens (``/status``) equal vLLM's
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 import re
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -563,3 +565,85 @@ def test_a_burst_of_concurrent_requests_is_counted_exactly_by_narwhal_and_vllm(t
     assert ended["completed"] - before["requests"]["terminal"]["completed"] == 24
     assert _ends(after) - _ends(before) == 24
     assert (after["requests"]["held"], after["requests"]["queued"], engine["in_flight"]) == (0, 0, 0)
+
+
+def _leaving_request(pair: Pair, i: int) -> tuple[str, bool]:
+    """Request ``i`` of the leaving clients (chat or text, streamed or assembled, up to 300
+    tokens, all made: ``ignore_eos``), made by a client that, at random (seeded by ``i``),
+    reads its whole answer, leaves after a few events or a moment, or closes partway
+    through sending its body. What it did, and whether its headers reached Envoy whole
+    (only then does Narwhal see the request)."""
+    rng = random.Random(i)
+    chat = rng.random() < 0.5
+    path = CHAT if chat else TEXT
+    body: dict[str, Any] = {"model": SERVED_MODEL, "max_tokens": rng.randint(1, 300),
+                            "ignore_eos": True, "seed": i}
+    body |= {"messages": MSGS} if chat else {"prompt": f"Count to {i}:"}
+    leave = rng.choice(("reads", "leaves", "leaves", "cuts"))
+    if rng.random() < 0.5 and leave != "cuts":
+        keep = rng.randint(0, 30) if leave == "leaves" else None
+        events: list[str] = []
+        with pair.routed() as c, c.stream("POST", path, json=body | {"stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if keep is not None and len(events) >= keep:
+                    break  # leaving the blocks closes the connection mid-answer
+                if line.startswith("data: "):
+                    events.append(line)
+        if keep is None:
+            assert events[-1] == "data: [DONE]"
+        return leave, True
+    raw = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nhost: narwhal\r\nconnection: close\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(raw)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", pair.stack.port), timeout=60) as sock:
+        if leave == "cuts":
+            cut = rng.randint(1, len(head) + len(raw) - 1)
+            sock.sendall((head + raw)[:cut])
+            return leave, cut >= len(head)
+        sock.sendall(head + raw)
+        if leave == "leaves":
+            sock.settimeout(0.001 + rng.random() * 0.4)  # leave then, answered or not
+            with contextlib.suppress(TimeoutError):
+                sock.recv(1)
+            return leave, True
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status, _, rest = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert b'"usage"' in rest
+    return leave, True
+
+
+@pytest.mark.parametrize("variant", ["tools_pair", "workers_pair"],
+                         ids=["one-process", "workers"])
+def test_clients_that_leave_at_random_leave_nothing_behind(request, variant):
+    """Ninety-six clients, twelve at a time, each reading its whole answer, leaving after a
+    few events or a moment (streamed or assembled), or closing while it sends its body:
+    every request whose headers reached Envoy whole is offered once and ends once (as
+    completed, or cancelled), those cut inside their headers never reach Narwhal, and
+    afterwards nothing is held, queued or in flight on Narwhal (in one process and with
+    serving.workers: 2), no engine slot is taken, and nothing runs on vLLM."""
+    pair: Pair = request.getfixturevalue(variant)
+    before = pair.settled()
+    with ThreadPoolExecutor(12) as pool:
+        done = list(pool.map(lambda i: _leaving_request(pair, i), range(96)))
+    assert {kind for kind, _ in done} == {"reads", "leaves", "cuts"}
+    reached = sum(seen for _, seen in done)
+    assert 48 < reached < 96  # some cut inside their headers, most not
+
+    def quiet() -> dict | None:
+        s = pair.status()
+        e = s["engines"][0]
+        return s if (s["requests"]["in_flight"], s["requests"]["held"], s["requests"]["queued"],
+                     s["requests"]["held_bytes"], e["in_flight"], e["prefill"], e["decode"],
+                     _running(pair)) == (0, 0, 0, 0, 0, 0, 0, 0.0) else None
+
+    after = wait_for(quiet, timeout=120)
+    offered = after["requests"]["offered"] - before["requests"]["offered"]
+    ends = {k: v - before["requests"]["terminal"][k]
+            for k, v in after["requests"]["terminal"].items()}
+    assert offered == reached == sum(ends.values())
+    assert ends["completed"] >= sum(kind == "reads" for kind, _ in done)
+    assert {k for k, v in ends.items() if v} <= {"completed", "cancelled"}
