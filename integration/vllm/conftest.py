@@ -161,14 +161,20 @@ def _workers_serving() -> dict:
 SMALL_BUDGET_MS = 4000
 
 
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory) -> Path:
+    """The small model's files, built once for the modules whose engines serve it."""
+    return built_model(tmp_path_factory.mktemp("small-model") / "model", "small")
+
+
 @pytest.fixture(scope="module")
-def small_pair(tmp_path_factory) -> Iterator[Pair]:
+def small_pair(tmp_path_factory, small_model) -> Iterator[Pair]:
     """vLLM over the "small" model, whose prefill takes ~1 ms a prompt token on one CPU
     thread, so that a backlog on it lasts seconds (on the tiny model it lasts
     milliseconds and cannot be held from outside), behind a Narwhal with a TTFT target of
     ``SMALL_BUDGET_MS``. Module-scoped: its ~3 GB are given back when its tests end."""
     root: Path = tmp_path_factory.mktemp("vllm-small")
-    server = VllmServer("vllm-small", built_model(root / "model", "small"), root).spawn()
+    server = VllmServer("vllm-small", small_model, root).spawn()
     try:
         server.wait()
         yield from _pair(server, admission={"ttft_target_ms": SMALL_BUDGET_MS})
@@ -196,7 +202,7 @@ def kv_workers_pair(vllm_servers) -> Iterator[Pair]:
 
 
 @pytest.fixture(scope="module")
-def kv_pool_pair(tmp_path_factory) -> Iterator[Pair]:
+def kv_pool_pair(tmp_path_factory, small_model) -> Iterator[Pair]:
     """Two vLLMs over the small model, prefix caching on and publishing their KV events,
     behind one Narwhal (``Pair.engine``: the first). The small model: on the tiny one a
     1,000-token prefill takes a few milliseconds, within the noise of the TTFT fit's
@@ -205,15 +211,14 @@ def kv_pool_pair(tmp_path_factory) -> Iterator[Pair]:
     its system prompt); at ~1 ms a token, a cached prefix is a second less. Module-scoped:
     their ~6 GB are given back when the module's tests end."""
     root: Path = tmp_path_factory.mktemp("vllm-kv-pool")
-    model = built_model(root / "model", "small")
-    servers = [kv_server(f"vllm-pool{i}", model, root) for i in range(2)]
+    servers = [kv_server(f"vllm-pool{i}", small_model, root) for i in range(2)]
     try:
         for server in servers:
             server.spawn()
         for server in servers:
             server.wait()
         yield from _pair(servers[0], engines=[_engine(s) for s in servers],
-                         sizing={"tokenizer": str(model / "tokenizer.json")})
+                         sizing={"tokenizer": str(small_model / "tokenizer.json")})
     finally:
         for server in servers:
             server.stop()
