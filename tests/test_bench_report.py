@@ -103,3 +103,28 @@ def test_each_real_vllm_admission_path_is_a_valid_config_with_its_settings():
         == ("least-work", 1536)
     assert least.admission.ttft_target_ms == default.admission.ttft_target_ms == 3000
     assert least.admission.queue_limit == 1024  # the path's settings add to the common ones
+
+
+def test_the_drift_report_times_the_first_reset_after_the_slowdown_and_windows_arrivals():
+    """``bench.vllm_drift``: a reset before the slowdown is not the one found; arrivals are
+    counted in the window they arrived in, late by their first token against the budget
+    (never having one is late), refusals apart."""
+    from bench.scheduling import Result
+    from bench.vllm_drift import first_reset, windows
+
+    def sample(t: float, resets: int) -> dict:
+        return {"t": t, "engines": [{"drift_resets": resets}]}
+
+    trace = [sample(98.0, 1), sample(99.5, 1), sample(100.5, 1), sample(104.0, 2)]
+    assert first_reset(trace, 100.0) == 4.0  # not the warm-up's reset before it
+    assert first_reset(trace[:3], 100.0) is None
+    results = [Result(200, 95.0, ttft_s=1.0, predicted_s=1.0),  # before
+               Result(200, 101.0, ttft_s=3.5, predicted_s=2.0),  # late, +0..+10
+               Result(200, 102.0, ttft_s=None),  # admitted, never a first token: late
+               Result(429, 103.0),
+               Result(200, 115.0, ttft_s=2.0, predicted_s=1.0),  # +10..+30
+               Result(200, 140.0, ttft_s=1.0, predicted_s=1.0)]  # after +30
+    rows = windows(results, 100.0, 3.0)
+    assert [(r["sent"], r["admitted"], r["late"], r["refused"]) for r in rows] == [
+        (1, 1, 0, 0), (3, 2, 2, 1), (1, 1, 0, 0), (1, 1, 0, 0)]
+    assert rows[1]["err90"] == abs(2.0 - 3.5) / 3.5 and rows[2]["err90"] == 0.5
