@@ -110,7 +110,7 @@ def test_the_drift_report_times_the_first_reset_after_the_slowdown_and_windows_a
     counted in the window they arrived in, late by their first token against the budget
     (never having one is late), refusals apart."""
     from bench.scheduling import Result
-    from bench.vllm_drift import first_reset, windows
+    from bench.vllm_drift import first_reset, meanwhile, windows
 
     def sample(t: float, resets: int) -> dict:
         return {"t": t, "engines": [{"drift_resets": resets}]}
@@ -128,3 +128,11 @@ def test_the_drift_report_times_the_first_reset_after_the_slowdown_and_windows_a
     assert [(r["sent"], r["admitted"], r["late"], r["refused"]) for r in rows] == [
         (1, 1, 0, 0), (3, 2, 2, 1), (1, 1, 0, 0), (1, 1, 0, 0)]
     assert rows[1]["err90"] == abs(2.0 - 3.5) / 3.5 and rows[2]["err90"] == 0.5
+    # Bounded (the engine fast again at 112): the slow period's arrivals only, around 100.
+    rows = windows(results, 100.0, 3.0, end=112.0)
+    assert [r["sent"] for r in rows] == [1, 3, 0, 0]
+    rows = windows(results, 112.0, 3.0, start=100.0)  # around the speed-up
+    assert [r["sent"] for r in rows] == [3, 1, 1, 0]
+    # Meanwhile: admitted from a budget before the change (97) until it was found (+2.5).
+    assert meanwhile(results, 100.0, 2.5, 3.0) == (2, 2)
+    assert meanwhile(results, 100.0, None, 3.0) == (2, 4)  # never found: to the end
