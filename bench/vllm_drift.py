@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 
 from bench import scratch
-from bench.scheduling import Result, StatusTrace, quantile
+from bench.scheduling import Result, StatusTrace, dump, quantile
 from bench.vllm_admission import drive, narwhal, saturate, start_engine
 
 WINDOWS = ((None, 0.0), (0.0, 10.0), (10.0, 30.0), (30.0, None))  # arrivals, s after the hog
@@ -128,6 +128,8 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=110.0, help="seconds of load")
     parser.add_argument("--budget-ms", type=int, default=3000, help="TTFT budget")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--samples", default="", help="a folder for the per-request samples "
+                        "and Narwhal's /status trace (JSON lines)")
     args = parser.parse_args()
     if not 0 < args.hog_at < args.duration:
         parser.error("--hog-at must fall within --duration")
@@ -142,13 +144,15 @@ def main() -> int:
             capacity = asyncio.run(saturate(f"{engine.url}/v1/chat/completions", 16, 10.0, 30.0))
             stack = narwhal(engine, args.budget_ms)
             try:
-                path = Path(workdir) / "status.jsonl"
+                path = Path(args.samples or workdir) / "drift.status.jsonl"
                 trace = StatusTrace(stack, path)
                 results, at, back = asyncio.run(slowed(
                     f"{stack.url}/v1/chat/completions", args.load * capacity, args.hog_at,
                     args.hog_for, args.duration, args.seed, cpu))
                 trace.stop()
                 samples = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+                if args.samples:
+                    dump(results, Path(args.samples) / "drift.jsonl")
             finally:
                 stack.stop()
         finally:
