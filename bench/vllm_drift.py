@@ -94,7 +94,7 @@ def windows(results: list[Result], at: float, budget_s: float, start: float | No
         errs = [abs(r.predicted_s - r.ttft_s) / r.ttft_s for r in ok
                 if r.ttft_s and r.predicted_s is not None]
         rows.append({"window": (lo, hi), "sent": len(sel), "admitted": len(ok),
-                     "late": sum(1 for r in ok if r.ttft_s is None or r.ttft_s > budget_s),
+                     "late": sum(_late(r, budget_s) for r in ok),
                      "refused": sum(1 for r in sel if r.status == 429),
                      "err90": quantile(errs, 0.9) if errs else None})
     return rows
@@ -104,11 +104,17 @@ def meanwhile(results: list[Result], at: float, found: float | None,
               budget_s: float) -> tuple[int, int]:
     """(late, admitted) of the requests that arrived from one budget before the change at
     ``at`` until it was found ``found`` s later (to the end if never): the drift target's
-    "late meanwhile", counted as the scheduling benchmark counts it (a request that
-    arrived a budget before the change may still be waiting through it)."""
+    "late meanwhile", over the window the scheduling benchmark counts (a request that
+    arrived a budget before the change may still be waiting through it); unlike there, an
+    admitted request that never had a first token counts here, as late."""
     ok = [r for r in results if r.status == 200 and r.start >= at - budget_s
           and (found is None or r.start <= at + found)]
-    return sum(1 for r in ok if r.ttft_s is None or r.ttft_s > budget_s), len(ok)
+    return sum(_late(r, budget_s) for r in ok), len(ok)
+
+
+def _late(r: Result, budget_s: float) -> bool:
+    """An admitted request whose first token came after the budget, or never."""
+    return r.ttft_s is None or r.ttft_s > budget_s
 
 
 def _window_name(lo: float | None, hi: float | None) -> str:

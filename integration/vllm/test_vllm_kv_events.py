@@ -183,7 +183,6 @@ def test_a_reply_is_cached_and_the_next_turn_that_carries_it_finds_it(request, v
     assert int(r.headers["x-narwhal-predicted-cached-tokens"]) == cached
 
 
-
 def test_each_prompt_goes_to_the_engine_whose_events_hold_its_prefix(kv_pool_pair):
     """Two vLLMs publishing their KV events behind one Narwhal (the small model: a cached
     prefix saves about a second of prefill there). A long system prompt is
