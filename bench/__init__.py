@@ -1,16 +1,20 @@
 """Benchmarks: the data path (``bench.datapath``), one message in process
 (``bench.messages``), matching a long prompt's KV blocks (``bench.kv_match``),
-scheduling on the simulator (``bench.scheduling``) and admission in front of real vLLM
-(``bench.vllm_admission``)."""
+scheduling on the simulator (``bench.scheduling``), and in front of real vLLM:
+admission (``bench.vllm_admission``), drift (``bench.vllm_drift``) and prefix-aware
+placement over a pool of two (``bench.vllm_prefix``)."""
 
 from __future__ import annotations
 
 import contextlib
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from narwhal.launch import free_port, wait_http
 
 
 @contextlib.contextmanager
@@ -43,3 +47,15 @@ def vllm_router_exe() -> str:
         raise SystemExit("bench: vllm-router is not installed: pip install -e '.[bench]' "
                          "(make bench and make bench-scheduling do)")
     return exe
+
+
+def vllm_router(engines: list[str], policy: str, workdir: Path) -> tuple[subprocess.Popen, int]:
+    """The peer router with ``policy`` in front of the engines at the URLs ``engines``."""
+    port = free_port()
+    log = open(workdir / f"vllm-router-{policy}.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([vllm_router_exe(), "--host", "127.0.0.1", "--port", str(port),
+                             "--policy", policy, "--worker-urls", *engines,
+                             "--prometheus-port", str(free_port()), "--log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_http(f"http://127.0.0.1:{port}/health", 60, proc)
+    return proc, port

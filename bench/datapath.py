@@ -57,7 +57,7 @@ from pathlib import Path
 import orjson
 import yaml
 
-from bench import messages, null_extproc, scratch, vllm_router_exe
+from bench import messages, null_extproc, scratch, vllm_router, vllm_router_exe
 from narwhal.launch import (
     REPO_ROOT,
     SimSpec,
@@ -159,18 +159,6 @@ def wrk(url: str, body: dict, seconds: float, connections: int, workdir: Path
     return count, rps, int(bad.group(1)) if bad else 0
 
 
-def vllm_router(sim_port: int, workdir: Path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    log = open(workdir / "vllm-router.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([vllm_router_exe(), "--host", "127.0.0.1", "--port", str(port),
-                             "--policy", "round_robin",
-                             "--worker-urls", f"http://127.0.0.1:{sim_port}",
-                             "--prometheus-port", str(free_port()), "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    wait_http(f"http://127.0.0.1:{port}/health", 60, proc)
-    return proc, port
-
-
 def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
                 peer: bool) -> list[Route]:
     paths: list[Route] = []
@@ -192,7 +180,8 @@ def start_paths(sim: SimSpec, configs: list[str], transport: str, workdir: Path,
     sim_port, sim_pid = first.sims[0].port, engine_pid(first)
     paths.append(envoy_alone(sim_port, workdir, sim_pid))
     if peer:
-        router, router_port = vllm_router(sim_port, workdir)
+        router, router_port = vllm_router([f"http://127.0.0.1:{sim_port}"], "round_robin",
+                                          workdir)
 
         def stop_router() -> None:
             router.terminate()

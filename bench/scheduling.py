@@ -51,7 +51,6 @@ import asyncio
 import math
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -65,8 +64,8 @@ import httpx
 import orjson
 import yaml
 
-from bench import scratch, vllm_router_exe
-from narwhal.launch import REPO_ROOT, SimSpec, Stack, free_port, plain_envoy, wait_http
+from bench import scratch, vllm_router, vllm_router_exe
+from narwhal.launch import REPO_ROOT, SimSpec, Stack, plain_envoy
 from narwhal.server.telemetry import parse_vllm_metrics
 
 MODEL = "narwhal-sim"
@@ -126,13 +125,27 @@ def workload_mix(workload: str, tenants: int) -> Mix:
                      for i, size in enumerate((300, 600, 1000, 1500))), 0.8)
 
 
+def sim_body(messages: list[dict], seed: int, rng: random.Random) -> dict:
+    """A request to the simulator: its outputs stop by themselves under ``max_tokens``."""
+    return {"model": MODEL, "stream": True, "max_tokens": MAX_TOKENS, "seed": seed,
+            "messages": messages, "stream_options": {"include_usage": True}}
+
+
 @dataclass
 class Workload:
-    """Conversations: new ones, and follow-ups that carry their history."""
+    """Conversations: new ones, and follow-ups that carry their history. ``text`` writes
+    about N of the engine's tokens, ``body`` makes a request of the messages; a
+    conversation is continued while it has fewer than ``max_messages`` messages (the
+    real-vLLM benchmarks' model has a 2,048-token context)."""
 
     rng: random.Random
     mix: Mix
     open: list[list[dict]] = field(default_factory=list)
+    text: Callable[[random.Random, int], str] = text
+    body: Callable[[list[dict], int, random.Random], dict] = sim_body
+    user_median: int = 120
+    user_max: int = 2000
+    max_messages: int = 12
 
     def next(self) -> list[dict]:
         if self.open and self.rng.random() < 0.35:
@@ -140,11 +153,17 @@ class Workload:
         else:
             history = ([{"role": "system", "content": self.rng.choice(self.mix.systems)}]
                        if self.rng.random() < self.mix.system_share else [])
-        user = min(2000, max(8, round(self.rng.lognormvariate(math.log(120), 0.8))))
-        return [*history, {"role": "user", "content": text(self.rng, user)}]
+        user = min(self.user_max,
+                   max(8, round(self.rng.lognormvariate(math.log(self.user_median), 0.8))))
+        return [*history, {"role": "user", "content": self.text(self.rng, user)}]
+
+    def request(self, seed: int) -> tuple[list[dict], dict]:
+        """The next request's messages and body."""
+        messages = self.next()
+        return messages, self.body(messages, seed, self.rng)
 
     def answered(self, messages: list[dict], reply: str) -> None:
-        if len(messages) < 12 and len(self.open) < 200:
+        if len(messages) < self.max_messages and len(self.open) < 200:
             self.open.append([*messages, {"role": "assistant", "content": reply}])
 
 
@@ -166,9 +185,7 @@ class Result:
 
 
 async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: int) -> Result:
-    messages = work.next()
-    body = {"model": MODEL, "stream": True, "max_tokens": MAX_TOKENS, "seed": seed,
-            "messages": messages, "stream_options": {"include_usage": True}}
+    messages, body = work.request(seed)
     result, reply = await stream(session, url, body)
     if result.end is not None:
         work.answered(messages, "".join(reply))
@@ -240,15 +257,16 @@ async def stream(session: aiohttp.ClientSession, url: str,
 CLIENT_TIMEOUT_GPU_S = 10.0
 
 
-async def drive(url: str, rate: float, duration: float, seed: int, mix: Mix, scale: float,
+async def drive(url: str, rate: float, duration: float, seed: int, work: Workload,
+                timeout_s: float,
                 at: tuple[tuple[float, Callable[[], Awaitable[None]]], ...] = (),
                 warmup: float = 0.0) -> list[Result]:
-    """Poisson arrivals at ``rate`` for ``warmup`` + ``duration`` s; the requests that
-    arrived during the warm-up are not returned. ``at``: (seconds after the warm-up,
-    coroutine function) pairs, started then (counter snapshots, the drift)."""
+    """Poisson arrivals at ``rate`` for ``warmup`` + ``duration`` s, each given up after
+    ``timeout_s``; the requests that arrived during the warm-up are not returned. ``at``:
+    (seconds after the warm-up, coroutine function) pairs, started then (counter
+    snapshots, the drift)."""
     rng = random.Random(seed)
-    work = Workload(random.Random(seed + 1), mix)
-    timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_GPU_S * scale)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         t = time.monotonic()
@@ -392,7 +410,7 @@ def calibrate(args: argparse.Namespace, mix: Mix) -> float:
         t0 = time.monotonic()
         results = asyncio.run(saturate(f"{stack.url}/v1/chat/completions",
                                        len(ENGINES) * SEATS + 32, args.duration, args.seed,
-                                       mix))
+                                       Workload(random.Random(args.seed + 1), mix)))
     finally:
         stack.stop()
         pool.stop()
@@ -406,11 +424,10 @@ def calibrate(args: argparse.Namespace, mix: Mix) -> float:
 
 
 async def saturate(url: str, clients: int, duration: float, seed: int,
-                   mix: Mix) -> list[Result]:
+                   work: Workload) -> list[Result]:
     """``clients`` closed-loop clients for ``duration`` s, without a client timeout; the
     requests still open then are cancelled (not returned). A refused client waits a
     second before its next request (it would otherwise spin on refusals)."""
-    work = Workload(random.Random(seed + 1), mix)
     done: list[Result] = []
 
     async def client(session: aiohttp.ClientSession, k: int) -> None:
@@ -516,18 +533,6 @@ def profiled(stack: Stack, timeout: float = 300.0) -> None:
         time.sleep(0.2)
 
 
-def vllm_router(pool: Stack, policy: str, workdir: Path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    log = open(workdir / f"vllm-router-{policy}.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([vllm_router_exe(), "--host", "127.0.0.1", "--port", str(port),
-                             "--policy", policy, "--worker-urls",
-                             *[f"http://127.0.0.1:{s.port}" for s in pool.sims],
-                             "--prometheus-port", str(free_port()), "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    wait_http(f"http://127.0.0.1:{port}/health", 60, proc)
-    return proc, port
-
-
 def sim_metrics(s: SimSpec) -> str:
     """One simulator's /metrics text."""
     return httpx.get(f"http://127.0.0.1:{s.port}/metrics", timeout=10).text
@@ -613,8 +618,9 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace, mix: M
                                       [s.port for s in pool.sims])
             url, stop = f"http://127.0.0.1:{port}/v1/chat/completions", envoy.terminate
         else:
-            proc, port = vllm_router(pool, {"vllm-router-p2": "power_of_two",
-                                            "vllm-router-cache": "cache_aware"}[policy], workdir)
+            proc, port = vllm_router([f"http://127.0.0.1:{s.port}" for s in pool.sims],
+                                     {"vllm-router-p2": "power_of_two",
+                                      "vllm-router-cache": "cache_aware"}[policy], workdir)
             url, stop = f"http://127.0.0.1:{port}/v1/chat/completions", proc.terminate
         try:
             for load in loads:
@@ -634,8 +640,9 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace, mix: M
 
                 watch = (StatusTrace(stack, Path(args.samples) / f"{policy}-{load:g}.status.jsonl")
                          if args.samples and stack is not None else None)
-                results = asyncio.run(drive(url, rate, args.duration, args.seed, mix,
-                                            args.time_scale,
+                results = asyncio.run(drive(url, rate, args.duration, args.seed,
+                                            Workload(random.Random(args.seed + 1), mix),
+                                            CLIENT_TIMEOUT_GPU_S * args.time_scale,
                                             ((0.0, measured), (args.duration, arrivals_end)),
                                             args.warmup))
                 before, index0 = marks["engines"], marks["index"]
@@ -702,7 +709,8 @@ def run_drift(args: argparse.Namespace, mix: Mix, load: float) -> dict:
     try:
         results = asyncio.run(drive(f"{stack.url}/v1/chat/completions",
                                     load * capacity_rps(args.time_scale), args.duration,
-                                    args.seed, mix, args.time_scale,
+                                    args.seed, Workload(random.Random(args.seed + 1), mix),
+                                    CLIENT_TIMEOUT_GPU_S * args.time_scale,
                                     ((args.duration / 3, slow_down),)))
     finally:
         if watch is not None:

@@ -17,8 +17,8 @@ settings instead (``NARWHAL_PATHS``). The engine shares this machine's two cores
 Envoy, Narwhal and the load generator: its speed moves with their load, which is the
 point (nothing holds it still).
 
-Workload: single-turn streaming chat, prompts lognormal (median ~250 tokens, at most
-~1,100), ``max_tokens`` lognormal (median 24, at most 96; a random-weight model seldom
+Workload: single-turn streaming chat, prompts lognormal (median ~125 tokens, at most
+~550), ``max_tokens`` lognormal (median 24, at most 96; a random-weight model seldom
 stops by itself, so ``max_tokens`` is the output length). ``--capacity``: the engine's
 saturated throughput in requests/s; without it the run measures it first (16 clients
 in a closed loop straight to vLLM, which runs 8 at a time). Per path and load: goodput
@@ -59,15 +59,29 @@ WORDS = ("the quick brown fox jumps over lazy dog narwhal tusk ocean arctic ice 
 CLIENT_TIMEOUT_S = 120.0
 
 
+def prose(rng: random.Random, words: int) -> str:
+    """``words`` words: about as many of this tokenizer's tokens (each word of ``WORDS``,
+    with its leading space, is one)."""
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def output_tokens(rng: random.Random) -> int:
+    """A request's ``max_tokens``, its output length (a random-weight model seldom stops
+    by itself): lognormal, median 24, 4-96."""
+    return min(96, max(4, round(rng.lognormvariate(math.log(24), 0.6))))
+
+
+def chat_body(messages: list[dict], max_tokens: int) -> dict:
+    """A streaming chat request to the served model, asking for its usage."""
+    return {"model": SERVED_MODEL, "stream": True, "max_tokens": max_tokens,
+            "messages": messages, "stream_options": {"include_usage": True}}
+
+
 def request_body(rng: random.Random) -> dict:
-    """One chat request: ~``words`` prompt tokens (a word and a space are about two of
-    this tokenizer's tokens), ``max_tokens`` as the output length."""
+    """One chat request: ~``words`` prompt tokens, ``max_tokens`` as the output length."""
     words = min(550, max(10, round(rng.lognormvariate(math.log(125), 0.7))))
-    out = min(96, max(4, round(rng.lognormvariate(math.log(24), 0.6))))
-    prompt = " ".join(rng.choice(WORDS) for _ in range(words))
-    return {"model": SERVED_MODEL, "stream": True, "max_tokens": out,
-            "messages": [{"role": "user", "content": prompt}],
-            "stream_options": {"include_usage": True}}
+    out = output_tokens(rng)
+    return chat_body([{"role": "user", "content": prose(rng, words)}], out)
 
 
 async def one(session: aiohttp.ClientSession, url: str, body: dict) -> Result:
@@ -115,20 +129,26 @@ async def saturate(url: str, clients: int, warmup: float, duration: float) -> fl
     return len(counted) / duration
 
 
-def narwhal_config(name: str, url: str, budget_ms: int, path: str = "narwhal") -> dict:
-    """Narwhal's configuration for ``path`` in front of the engine ``name`` at ``url``."""
+def narwhal_config(engines: list[dict], budget_ms: int, path: str = "narwhal",
+                   scheduler: dict | None = None, **sections: dict) -> dict:
+    """Narwhal's configuration for ``path`` in front of ``engines`` (its ``engines``
+    entries); ``scheduler`` settings add to the path's, ``sections`` to the config."""
     extra = NARWHAL_PATHS[path]
-    return {
+    config = {
         "serving": {"model": SERVED_MODEL},
         "admission": {"mode": "predictive", "ttft_target_ms": budget_ms, "queue_limit": 1024,
                       "retention_limit": 4096, "max_wait_ms": 600_000,
                       **extra.get("admission", {})},
-        "engines": [{"name": name, "url": url, "dialect": "vllm"}],
-    } | {k: v for k, v in extra.items() if k != "admission"}
+        "engines": engines,
+        **sections,
+    }
+    if merged := {**extra.get("scheduler", {}), **(scheduler or {})}:
+        config["scheduler"] = merged
+    return config
 
 
 def narwhal(engine: VllmServer, budget_ms: int, path: str = "narwhal") -> Stack:
-    config = narwhal_config(engine.name, engine.url, budget_ms, path)
+    config = narwhal_config([engine.engine_config()], budget_ms, path)
     stack = Stack(sims=[], config=config, model=SERVED_MODEL).start()
     profiled(stack)
     return stack

@@ -94,8 +94,8 @@ def test_each_real_vllm_admission_path_is_a_valid_config_with_its_settings():
 
     from narwhal.config import parse
 
-    configs = {p: parse(narwhal_config("e", "http://127.0.0.1:8000", 3000, p))
-               for p in NARWHAL_PATHS}
+    engine = {"name": "e", "url": "http://127.0.0.1:8000", "dialect": "vllm"}
+    configs = {p: parse(narwhal_config([engine], 3000, p)) for p in NARWHAL_PATHS}
     default, least = configs["narwhal"], configs["least-work"]
     assert (default.admission.queue_order, default.scheduler.max_prefill_tokens_per_engine) \
         == ("fifo", 0)
@@ -136,3 +136,75 @@ def test_the_drift_report_times_the_first_reset_after_the_slowdown_and_windows_a
     # Meanwhile: admitted from a budget before the change (97) until it was found (+2.5).
     assert meanwhile(results, 100.0, 2.5, 3.0) == (2, 2)
     assert meanwhile(results, 100.0, None, 3.0) == (2, 4)  # never found: to the end
+
+
+def test_the_prefix_report_puts_narwhals_predicted_cached_tokens_beside_the_engines():
+    """``bench.vllm_prefix``: the cached share is vLLM's own (its usage) over every answer
+    with usage; Narwhal's predicted share is judged over the requests it predicted, against
+    what the engines found for those same requests; refusals carry no usage."""
+    from bench.scheduling import Result
+    from bench.vllm_prefix import cache_report
+
+    told = [Result(200, 0.0, prompt_tokens=1000, cached=768, predicted_cached=768),
+            Result(200, 0.0, prompt_tokens=500, cached=0, predicted_cached=128)]
+    peer = Result(200, 0.0, prompt_tokens=200, cached=128)  # a peer router: no prediction
+    refused = Result(429, 0.0)
+    report = cache_report([*told, peer, refused])
+    assert report["hit"] == (768 + 128) / 1700
+    assert report["predicted_hit"] == (768 + 128) / 1500
+    assert report["actual_hit"] == 768 / 1500
+    assert report["exact"] == 0.5
+    blind = cache_report([peer, refused])
+    assert blind["hit"] == 128 / 200 and blind["predicted_hit"] is None
+
+
+def test_each_prefix_policy_is_a_valid_config_with_its_prefix_knowledge(tmp_path):
+    """``bench.vllm_prefix``'s Narwhal policies parse, and differ only as documented: the
+    defaults and least-work subscribe to the engines' KV events, the blind one neither
+    subscribes nor keeps an index; all carry the model's tokenizer."""
+    from bench.vllm_prefix import Pool, narwhal_config
+    from integration.vllm.engine import kv_server
+
+    from narwhal.config import parse
+
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text("{}")
+    pool = Pool([kv_server(f"e{i}", tmp_path, tmp_path) for i in range(2)])
+    for i, engine in enumerate(pool.engines):
+        engine.port = 8000 + i
+    configs = {p: narwhal_config(pool, p, 3000, tokenizer)
+               for p in ("narwhal", "narwhal-noprefix", "least-work")}
+    for policy, raw in configs.items():
+        config = parse(raw)
+        subscribed = [bool(e.get("kv_events")) for e in raw["engines"]]
+        assert subscribed == [policy != "narwhal-noprefix"] * 2, policy
+        assert (config.scheduler.prefix_index_blocks == 0) == (policy == "narwhal-noprefix")
+        assert config.sizing.tokenizer == str(tokenizer)
+        assert (config.admission.queue_order == "least-work") == (policy == "least-work")
+
+
+def test_the_prefix_workload_fits_the_models_context():
+    """Every request of ``bench.vllm_prefix``'s conversations, its prompt in the model's
+    own tokens (ChatML adds a few a message) and its ``max_tokens``, fits the 2,048-token
+    context: vLLM refuses one that does not, which would count as an error, not load."""
+    import random
+    import tempfile
+    from pathlib import Path
+
+    from bench.vllm_prefix import tenants, workload
+    from integration.vllm.model import MAX_MODEL_LEN, build
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(build(Path(tempfile.mkdtemp()), "small") / "tokenizer.json"))
+    sizes = [len(tok.encode(t).ids) for t in tenants(32)]
+    assert min(sizes) >= 300 and max(sizes) <= 1000  # the documented range, in tokens
+    work, longest, turns = workload(1, 32), 0, 0
+    for i in range(3000):
+        messages, body = work.request(i)
+        turns = max(turns, len(messages))
+        prompt = sum(len(tok.encode(m["content"]).ids) + 6 for m in messages)
+        longest = max(longest, prompt + body["max_tokens"])
+        work.answered(messages, " ".join(random.Random(i).choices(["tusk", "pod"],
+                                                                   k=body["max_tokens"])))
+    assert turns == 6  # conversations do grow to their limit: three user turns
+    assert longest < MAX_MODEL_LEN

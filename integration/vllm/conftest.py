@@ -13,7 +13,6 @@ events in one pool (``kv_pool_pair``) for placement by what each engine holds.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,34 +22,15 @@ import httpx
 import openai
 import pytest
 
-from narwhal.launch import Stack, free_port
+from narwhal.launch import Stack
 
 from ..conftest import wait_for
-from .engine import SERVED_MODEL, VllmServer, built_model
+from .engine import SERVED_MODEL, VllmServer, built_model, kv_server, own_cpu
 
 VARIANTS = {
     "tools": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
     "reasoning": ["--reasoning-parser", "deepseek_r1"],
 }
-
-
-def kv_variant(port: int, replay_port: int) -> list[str]:
-    """Prefix caching on, publishing its KV-cache events on ``port`` (and replaying them
-    on ``replay_port``), and reporting cached prompt tokens in usage (what Narwhal's
-    prediction is checked against)."""
-    return ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--kv-events-config",
-            json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                        "endpoint": f"tcp://*:{port}", "topic": "kv",
-                        "replay_endpoint": f"tcp://*:{replay_port}"})]
-
-
-def kv_server(name: str, model: Path, root: Path) -> VllmServer:
-    """A vLLM server (not yet spawned) with prefix caching on, publishing its KV events."""
-    kv_port, replay_port = free_port(), free_port()
-    server = VllmServer(name, model, root, kv_variant(kv_port, replay_port))
-    server.kv_events = f"tcp://127.0.0.1:{kv_port}"
-    server.kv_replay = f"tcp://127.0.0.1:{replay_port}"
-    return server
 
 
 @dataclass
@@ -110,14 +90,6 @@ def vllm_servers(tmp_path_factory) -> Iterator[dict[str, VllmServer]]:
             server.stop()
 
 
-def _engine(server: VllmServer) -> dict:
-    engine = {"name": server.name, "url": server.url, "dialect": "vllm"}
-    if server.kv_events:
-        engine["kv_events"] = server.kv_events
-        engine["kv_replay"] = server.kv_replay
-    return engine
-
-
 def _pair(server: VllmServer, **extra: dict) -> Iterator[Pair]:
     """``server`` behind Envoy + Narwhal (``extra``: configuration sections that replace
     the defaults here, ``engines`` included)."""
@@ -125,7 +97,7 @@ def _pair(server: VllmServer, **extra: dict) -> Iterator[Pair]:
         "serving": {"model": SERVED_MODEL},
         # Wire fidelity is under test here, not admission: a budget no CPU prefill misses.
         "admission": {"ttft_target_ms": 120_000, "max_ttft_target_ms": 120_000},
-        "engines": [_engine(server)],
+        "engines": [server.engine_config()],
         # Two CPU vLLMs share 2 cores with the tests: /health can take seconds.
         # Their timing is CPU contention, not drift: do not re-learn on it.
         "telemetry": {"health_timeout_ms": 5000, "stale_after_ms": 30_000,
@@ -211,13 +183,13 @@ def kv_pool_pair(tmp_path_factory, small_model) -> Iterator[Pair]:
     its system prompt); at ~1 ms a token, a cached prefix is a second less. Module-scoped:
     their ~6 GB are given back when the module's tests end."""
     root: Path = tmp_path_factory.mktemp("vllm-kv-pool")
-    servers = [kv_server(f"vllm-pool{i}", small_model, root) for i in range(2)]
+    servers = [kv_server(f"vllm-pool{i}", small_model, root, own_cpu(i)) for i in range(2)]
     try:
         for server in servers:
             server.spawn()
         for server in servers:
             server.wait()
-        yield from _pair(servers[0], engines=[_engine(s) for s in servers],
+        yield from _pair(servers[0], engines=[s.engine_config() for s in servers],
                          sizing={"tokenizer": str(small_model / "tokenizer.json")})
     finally:
         for server in servers:
