@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 HELM   := .tools/bin/helm
 
-.PHONY: demo test lint bench bench-scheduling bench-vllm clean containers vllm native
+.PHONY: demo test lint bench bench-scheduling bench-vllm bench-vllm-prefix clean containers vllm native
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ bench-scheduling: $(STAMP)
 bench-vllm: $(STAMP) vllm
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench.vllm_admission
+
+bench-vllm-prefix: $(STAMP) vllm
+	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/python -m bench.vllm_prefix
 
 clean:
 	rm -rf $(VENV) .venv-vllm .tools .pytest_cache .ruff_cache

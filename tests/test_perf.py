@@ -45,6 +45,25 @@ def test_default_seeds_learn_a_step_engine_to_within_15_percent():
     assert 2500 < m.learned_prefill_tps < 4500  # ~3.4 k tokens/s in full steps
 
 
+def test_the_fit_on_status_is_what_the_projection_is_made_of():
+    """/status's ``ttft_fit``: each named coefficient times its feature sums to the
+    engine's projection (an operator reads from it why an engine projects long)."""
+    m = PerfModel(prefill_tps=10000, tpot_ms=20, overhead_ms=5)
+    rng = random.Random(3)
+    for _ in range(200):
+        work, decodes, wait = rng.uniform(50, 8000), rng.randrange(0, 40), rng.uniform(0, 0.05)
+        m.observe_ttft(work, decodes, step_engine(work, decodes, 1.0) + wait, wait)
+    fit = m.ttft_fit()
+    assert list(fit) == ["fixed_s", "per_1k_tokens_s", "per_1k_tokens_per_100_decodes_s",
+                         "per_100_decodes_s", "step_wait", "steps"]
+    assert fit["per_1k_tokens_s"] == pytest.approx(1000 / m.learned_prefill_tps, rel=1e-3)
+    work, decodes, wait, steps = 3000.0, 20, 0.02, 0.0
+    by_hand = (fit["fixed_s"] + fit["per_1k_tokens_s"] * 3 + fit["per_1k_tokens_per_100_decodes_s"]
+               * 3 * decodes / 100 + fit["per_100_decodes_s"] * decodes / 100
+               + fit["step_wait"] * wait + fit["steps"] * steps)
+    assert m.ttft_s(work, decodes, wait, steps) == pytest.approx(by_hand, rel=1e-4)
+
+
 def test_a_slowed_engine_is_detected_and_relearned_within_25_samples():
     m = PerfModel(prefill_tps=10000, tpot_ms=20, overhead_ms=5)
     rng = random.Random(2)

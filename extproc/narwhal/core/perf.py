@@ -239,6 +239,13 @@ def _back(low: list[list[float]], z: list[float], k: int) -> list[float]:
     return out
 
 
+# ``_ttft_features``' names, in order: seconds, seconds per 1,000 prompt tokens of work,
+# the same per 100 decoding sequences, seconds per 100 decoding sequences, and the
+# weights of the step under way's remainder and of the step model's projection.
+TTFT_FEATURES = ("fixed_s", "per_1k_tokens_s", "per_1k_tokens_per_100_decodes_s",
+                 "per_100_decodes_s", "step_wait", "steps")
+
+
 def _ttft_features(work: float, decodes: int, step_wait: float,
                    steps: float) -> list[float]:
     # Scaled so that the prior's variances are of one order: seconds per 1000 tokens.
@@ -357,6 +364,11 @@ class PerfModel:
         seconds = max(1e-4, self.tpot.predict(_tpot_features(decodes)))
         self._tpot_of = (decodes, theta, seconds)
         return seconds
+
+    def ttft_fit(self) -> dict[str, float]:
+        """The TTFT fit's coefficients by feature (``_ttft_features``), for /status: what
+        an engine's projections are made of, where they run wide."""
+        return dict(zip(TTFT_FEATURES, (round(t, 6) for t in self.ttft.theta), strict=True))
 
     @property
     def learned_prefill_tps(self) -> float:
