@@ -6,12 +6,13 @@ placement over a pool of two (``bench.vllm_prefix``)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from narwhal.launch import free_port, wait_http
@@ -59,3 +60,23 @@ def vllm_router(engines: list[str], policy: str, workdir: Path) -> tuple[subproc
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     wait_http(f"http://127.0.0.1:{port}/health", 60, proc)
     return proc, port
+
+
+def names(parser: argparse.ArgumentParser, value: str, allowed: Iterable[str],
+          what: str) -> list[str]:
+    """The comma-separated names in ``value``, each one of ``allowed``: an unknown one is
+    the parser's error (naming them all) before anything starts."""
+    known = tuple(allowed)
+    out = [n for n in value.split(",") if n]
+    for n in out:
+        if n not in known:
+            parser.error(f"unknown {what} {n!r}; one of {', '.join(known)}")
+    return out
+
+
+def run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The real-vLLM benchmarks' common options: the workload's seed, and where to keep
+    each cell's per-request samples and Narwhal's /status trace."""
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--samples", default="", help="a folder for per-request samples "
+                        "and Narwhal's /status trace (JSON lines)")

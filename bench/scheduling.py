@@ -64,7 +64,7 @@ import httpx
 import orjson
 import yaml
 
-from bench import scratch, vllm_router, vllm_router_exe
+from bench import names, scratch, vllm_router, vllm_router_exe
 from narwhal.launch import REPO_ROOT, SimSpec, Stack, plain_envoy
 from narwhal.server.telemetry import parse_vllm_metrics
 
@@ -821,10 +821,7 @@ def main() -> int:
               f"(CAPACITY_GPU_RPS is {CAPACITY_GPU_RPS:g})")
         return 0
     loads = [float(x) for x in args.loads.split(",")]
-    policies = [p for p in args.policies.split(",") if p]
-    for p in policies:
-        if p not in POLICIES:
-            parser.error(f"unknown policy {p!r}; one of {', '.join(POLICIES)}")
+    policies = names(parser, args.policies, POLICIES, "policy")
     if any(p.startswith("vllm-router") for p in policies):
         vllm_router_exe()  # before any cell runs
     os.environ.setdefault("NARWHAL_LOOP", "uvloop")

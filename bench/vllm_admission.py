@@ -41,7 +41,7 @@ from pathlib import Path
 import aiohttp
 from integration.vllm.engine import SERVED_MODEL, VllmServer, built_model
 
-from bench import scratch
+from bench import names, run_arguments, scratch
 from bench.scheduling import Result, StatusTrace, _fmt, dump, profiled, stream, summarize
 from narwhal.launch import Stack
 
@@ -168,15 +168,10 @@ def main() -> int:
     parser.add_argument("--capacity", type=float, default=0.0,
                         help="the engine's saturated requests/s (measured first if absent)")
     parser.add_argument("--paths", default=",".join(PATHS))
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--samples", default="", help="a folder for per-request samples "
-                        "and Narwhal's /status trace (JSON lines)")
+    run_arguments(parser)
     args = parser.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
-    paths = [p for p in args.paths.split(",") if p]
-    for p in paths:
-        if p not in PATHS:
-            parser.error(f"unknown path {p!r}; one of {', '.join(PATHS)}")
+    paths = names(parser, args.paths, PATHS, "path")
     budget_s = args.budget_ms / 1000
     rows = []
     with scratch("narwhal-vllm-") as workdir:

@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from bench import scratch
+from bench import run_arguments, scratch
 from bench.scheduling import Result, StatusTrace, dump, quantile
 from bench.vllm_admission import drive, narwhal, saturate, start_engine
 
@@ -133,9 +133,7 @@ def main() -> int:
                         help="seconds the engine stays slow (default: to the end)")
     parser.add_argument("--duration", type=float, default=110.0, help="seconds of load")
     parser.add_argument("--budget-ms", type=int, default=3000, help="TTFT budget")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--samples", default="", help="a folder for the per-request samples "
-                        "and Narwhal's /status trace (JSON lines)")
+    run_arguments(parser)
     args = parser.parse_args()
     if not 0 < args.hog_at < args.duration:
         parser.error("--hog-at must fall within --duration")

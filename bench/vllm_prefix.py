@@ -57,7 +57,7 @@ from pathlib import Path
 import httpx
 from integration.vllm.engine import SERVED_MODEL, VllmServer, built_model, kv_server, own_cpu
 
-from bench import scratch, vllm_router
+from bench import names, run_arguments, scratch, vllm_router
 from bench.scheduling import (
     Mix,
     Result,
@@ -277,15 +277,10 @@ def main() -> int:
                         help="KV blocks an engine (128 tokens each)")
     parser.add_argument("--capacity", type=float, default=0.0,
                         help="the pool's requests/s under round robin (measured if absent)")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--samples", default="", help="a folder for per-request samples "
-                        "and Narwhal's /status trace (JSON lines)")
+    run_arguments(parser)
     args = parser.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
-    policies = [p for p in args.policies.split(",") if p]
-    for p in policies:
-        if p not in POLICIES:
-            parser.error(f"unknown policy {p!r}; one of {', '.join(POLICIES)}")
+    policies = names(parser, args.policies, POLICIES, "policy")
     rows = []
     with scratch("narwhal-vllm-prefix-") as workdir:
         model = built_model(workdir / "model", "small")
