@@ -69,6 +69,12 @@ def test_the_prefix_index_is_bounded_by_the_engines_reported_cache(decoders):
     assert 100 < small["prefix_index_capacity"] < 65536 == large["prefix_index_capacity"]
 
 
+def _margin_samples(e: dict) -> int:
+    """The ratios an engine's admission margins hold: of requests placed on it idle, and
+    of the others (which, one after another, depends on when its report last said idle)."""
+    return sum(o["samples"] for o in e["calibration_octaves"] + e["idle_calibration_octaves"])
+
+
 def test_admission_margins_are_learned_per_size_of_projection(decoders):
     """Each first token of an admitted request is one ratio in the octave of its
     projection (long prompts: projections under 10 ms teach nothing); /status shows them."""
@@ -80,16 +86,17 @@ def test_admission_margins_are_learned_per_size_of_projection(decoders):
         warm = f"warm {i} You are terse. " + "narwhal tusk ocean " * 1500
         assert chat(decoders, {"x-slo-tpot-ms": "30"}, system=warm, max_tokens=2
                     ).status_code == 200
-    seen = sum(o["samples"] for o in engine(decoders, "quick")["calibration_octaves"])
+    seen = _margin_samples(engine(decoders, "quick"))
     for i in range(4):
         long = f"{i} You are terse. " + "narwhal tusk ocean " * 1500
         resp = chat(decoders, {"x-slo-tpot-ms": "30"}, system=long, max_tokens=2)
         assert resp.status_code == 200, resp.text
         assert int(resp.headers["x-narwhal-predicted-ttft-ms"]) >= 10, resp.headers
     after = engine(decoders, "quick")
-    assert sum(o["samples"] for o in after["calibration_octaves"]) == seen + 4, after
-    assert all(o["upto_ms"] > 0 for o in after["calibration_octaves"])
-    assert after["calibration"] >= 1.0
+    assert _margin_samples(after) == seen + 4, after
+    assert all(o["upto_ms"] > 0
+               for o in after["calibration_octaves"] + after["idle_calibration_octaves"])
+    assert after["calibration"] >= 1.0 and after["idle_calibration"] >= 1.0
 
 
 @pytest.fixture(scope="module")

@@ -87,6 +87,7 @@ def test_a_request_near_the_budget_is_admitted_when_requests_like_it_kept_it():
     rng = random.Random(3)
     for e in (fast, slow):
         e.calibration = learned(rng)
+        e.running = 1.0  # busy with another client's request: the loaded margins judge
     t = ticket(router, 2400, budget_s=1.0)
     projected = project(fast, t).ttft_s
     assert 0.4 < projected < 0.9
@@ -116,17 +117,68 @@ def test_an_engine_with_nothing_near_a_size_takes_the_pools_margin():
 
 
 def test_first_tokens_teach_the_engine_and_the_pool():
+    """Each first token teaches its engine's margins and the pool's: those of requests
+    placed on an idle engine apart from the others."""
     router, clock, _ = make_router()
     fast, slow = router.engines
-    for _ in range(MIN_SAMPLES):
+
+    def served(over: float) -> float:
+        """MIN_SAMPLES requests one after another, each measured ``over`` its projection
+        (which grows meanwhile: the model learns from the same first tokens)."""
+        for _ in range(MIN_SAMPLES):
+            t = ticket(router, 2000, budget_s=30.0)
+            assert isinstance(router.scheduler.admit(t, clock.t), Dispatch) and t.engine is fast
+            router.scheduler.first_token(t, clock.t + t.predicted_ttft_s * over)
+            router.scheduler.release(t, clock.t + 1)
+        return t.predicted_ttft_s
+
+    projected = served(1.5)  # each placed on an idle engine
+    assert fast.idle_calibration.factor(projected) == pytest.approx(1.5)
+    assert slow.idle_calibration.octaves() == []
+    assert slow.idle_calibration.factor(projected) == pytest.approx(1.5)  # the pool's
+    assert fast.calibration.octaves() == [] and fast.calibration.factor(projected) == 1.0
+    fast.running = 1.0  # the engine reports another client's request: not idle
+    slow.healthy = False  # (so that fast serves them all)
+    projected = served(2.0)
+    assert fast.calibration.factor(projected) == pytest.approx(2.0)
+    assert slow.calibration.factor(projected) == pytest.approx(2.0)  # the pool's
+    assert fast.idle_calibration.overall == pytest.approx(1.5)  # as it was
+
+
+def test_an_idle_engine_is_judged_by_what_requests_placed_on_it_idle_ran_over():
+    """Regression (two real vLLMs sharing two cores): busy moments had taught an engine a
+    margin of 8x; idle, it refused every request projected over an eighth of the budget,
+    and, sent nothing, learned nothing new. A request placed on an idle engine has nothing
+    ahead of it and no step under way to misjudge: it is judged by the margins of the
+    requests placed there idle (none yet: the projection itself)."""
+    router, clock, _ = make_router(engines=[
+        {"name": "solo", "url": "http://127.0.0.1:1", "prefill_tps": 4000}])
+    e = router.engines[0]
+    e.healthy = e.checked = e.profiled = True
+    e.telemetry_at = clock.t
+    for _ in range(64):
+        e.calibration.observe(0.5, 0.5 * 8.0)  # busy: 8x over
+    t = ticket(router, 2000, budget_s=1.0)
+    c = project(e, t, now=clock.t)
+    assert 0.3 < c.ttft_s < 0.9 and c.ttft_margin_s == c.ttft_s  # idle: no margin yet
+    assert isinstance(router.scheduler.admit(t, clock.t), Dispatch)
+    assert t.placed_idle
+    busy = project(e, ticket(router, 100), now=clock.t)  # behind the one in prefill
+    assert busy.ttft_margin_s == pytest.approx(busy.ttft_s * 8.0)
+    router.scheduler.first_token(t, clock.t + t.predicted_ttft_s * 1.2)
+    router.scheduler.release(t, clock.t + 1)
+    e.waiting = 1.0  # the engine reports a request of another client's waiting there
+    assert not e.idle()
+    assert isinstance(router.scheduler.admit(ticket(router, 2000, budget_s=1.0), clock.t),
+                      Refuse)
+    e.waiting = 0.0
+    for _ in range(MIN_SAMPLES):  # (the budget wide: the model learns the 1.2x meanwhile)
         t = ticket(router, 2000, budget_s=5.0)
-        assert isinstance(router.scheduler.admit(t, clock.t), Dispatch) and t.engine is fast
-        router.scheduler.first_token(t, clock.t + t.predicted_ttft_s * 1.5)
+        assert isinstance(router.scheduler.admit(t, clock.t), Dispatch)
+        router.scheduler.first_token(t, clock.t + t.predicted_ttft_s * 1.2)
         router.scheduler.release(t, clock.t + 1)
-    projected = t.predicted_ttft_s
-    assert fast.calibration.factor(projected) == pytest.approx(1.5)
-    assert slow.calibration.octaves() == []
-    assert slow.calibration.factor(projected) == pytest.approx(1.5)
+    assert e.idle_calibration.factor(t.predicted_ttft_s) == pytest.approx(1.2)
+    assert e.calibration.factor(0.5) == pytest.approx(8.0)  # the busy margins as they were
 
 
 def _reference_factor(c: Calibration, predicted_s: float) -> float:

@@ -52,6 +52,13 @@ class EngineState:
     # the projection (calibration.py). Per engine: one engine's model error must not
     # widen every margin.
     calibration: Calibration = field(default_factory=Calibration)
+    # The same for requests placed while the engine was ``idle``: nothing ahead of them
+    # there, no step under way, so what their projections miss is of another kind, and
+    # an idle engine judged by its loaded margin turned work away with nothing to serve
+    # (two real vLLMs sharing two cores: margins of 2-8x from busy moments and few
+    # samples refused 0.5-1 s projections on an idle engine, which, sent nothing, learned
+    # nothing new; docs/measurements.md, "Forty-third session").
+    idle_calibration: Calibration = field(default_factory=Calibration)
     # How far the TTFT predicted for requests placed here ran from what was measured.
     prediction_errors: ErrorWindow = field(
         default_factory=lambda: ErrorWindow(ENGINE_ERROR_WINDOW))
@@ -94,6 +101,16 @@ class EngineState:
     @property
     def in_flight(self) -> int:
         return self.prefill + self.decode
+
+    def idle(self) -> bool:
+        """Nothing in flight here: by Narwhal's books, and by the engine's last report
+        (another client's requests count; a report lags by up to a scrape)."""
+        return not (self.prefill or self.decode or self.running or self.waiting)
+
+    def margins(self, idle: bool) -> Calibration:
+        """The admission margins for a request placed here now (``idle``: on an idle
+        engine)."""
+        return self.idle_calibration if idle else self.calibration
 
     def prompt_sent(self, tokens: float, cached: float) -> None:
         """A prompt of ``tokens`` went to the engine, the share ``cached`` of it expected

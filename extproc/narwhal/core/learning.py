@@ -60,9 +60,12 @@ class Learning:
         # Admission compares the budget with projection x the engine's calibration, so
         # that requests admitted close to the budget still meet it when the model is a
         # little optimistic about that engine (projections under 10 ms are not learned).
-        if t.calibration_epoch == e.calibration.epoch:  # else projected by a model gone
-            e.calibration.observe(t.predicted_ttft_s, measured)
-        self.pool.calibration.observe(t.predicted_ttft_s, measured)
+        # (The margins of requests placed on an idle engine are kept apart: EngineState.)
+        margins = e.margins(t.placed_idle)
+        if t.calibration_epoch == margins.epoch:  # else projected by a model gone
+            margins.observe(t.predicted_ttft_s, measured)
+        (self.pool.idle_calibration if t.placed_idle
+         else self.pool.calibration).observe(t.predicted_ttft_s, measured)
 
     def completed(self, t: Ticket, output_tokens: int, last_token_at: float) -> None:
         """A completion with identified output: its mean time per output token (one

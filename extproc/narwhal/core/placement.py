@@ -45,7 +45,7 @@ class Candidate:
         is what keeps the promise."""
         if self._margin_s < 0:
             e = self.engine
-            margin = self.ttft_s * e.calibration.factor(self.ttft_s)
+            margin = self.ttft_s * e.margins(e.idle()).factor(self.ttft_s)
             if e.prefill:
                 margin = max(margin, self.ttft_s + e.model.step_s)
             self._margin_s = margin

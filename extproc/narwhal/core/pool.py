@@ -44,6 +44,7 @@ class Pool:
         # Every engine's admission samples together: the margin of an engine that has
         # none of its own for a size of projection (calibration.py).
         self.calibration = Calibration()
+        self.idle_calibration = Calibration()  # and of requests placed on idle engines
         for cfg in config.engines:
             self._add(cfg)
 
@@ -53,6 +54,7 @@ class Pool:
         e.model.drift_limit = self.drift_threshold
         e.prefix = PrefixIndex(self.prefix_blocks)
         e.calibration.pool = self.calibration
+        e.idle_calibration.pool = self.idle_calibration
         if cfg.kv_events:
             e.kv = KvBlocks(self.prefix_blocks or KV_BLOCKS_DEFAULT, self.kv_stale_s)
         self.engines.append(e)

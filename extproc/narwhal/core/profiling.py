@@ -164,3 +164,4 @@ def reprofile(e: EngineState) -> None:
     # fresh model and measured at 13-19 s.
     e.verified_work = 0.0
     e.calibration.clear()  # its ratios judged the model the engine had
+    e.idle_calibration.clear()

@@ -69,6 +69,7 @@ class Ticket:
     prefill: Prefill | None = None  # its handle in the engine's step model until answered
     predicted_ttft_s: float | None = None  # client-level projection at admission
     calibration_epoch: int = 0  # its engine's calibration's when it was placed
+    placed_idle: bool = False  # placed on an idle engine: judges the idle margins
     first_token_at: float | None = None
     done: bool = False
     # Endpoints the request may go to (a gateway's subset hint); None: any.
@@ -307,7 +308,8 @@ class Scheduler:
         if t.predicted_ttft_s is not None:  # the projection of the engine it got
             t.predicted_ttft_s = picked.ttft_s + (now - t.arrival)
         t.work = picked.work
-        t.calibration_epoch = e.calibration.epoch
+        t.placed_idle = e.idle()
+        t.calibration_epoch = e.margins(t.placed_idle).epoch
         t.predicted_cached = round(picked.cached * t.tokens)
         if t.blocks or t.prompt_ids:
             e.prompt_sent(t.tokens, picked.cached)
