@@ -78,7 +78,8 @@ def chat_body(messages: list[dict], max_tokens: int) -> dict:
 
 
 def request_body(rng: random.Random) -> dict:
-    """One chat request: ~``words`` prompt tokens, ``max_tokens`` as the output length."""
+    """One single-turn chat request: a prompt of 10-550 words (lognormal, median 125;
+    about as many tokens), ``max_tokens`` as the output length."""
     words = min(550, max(10, round(rng.lognormvariate(math.log(125), 0.7))))
     out = output_tokens(rng)
     return chat_body([{"role": "user", "content": prose(rng, words)}], out)
