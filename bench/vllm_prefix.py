@@ -200,7 +200,7 @@ def measure_capacity(model: Path, workdir: Path, blocks: int, n: int, seed: int)
     clients in a closed loop (twice the engines' sequences), over the last 45 of 60 s."""
     pool = start_pool(model, workdir, blocks, 0)
     try:
-        url, _, stop = front("round-robin", pool, 0, model, workdir)
+        url, _, stop = front("round-robin", pool, 0, model / "tokenizer.json", workdir)
         try:
             t0 = time.monotonic()
             results = asyncio.run(saturate(url, 16, 60.0, seed, workload(seed, n)))
