@@ -588,14 +588,18 @@ def hit_rates(before: dict, after: dict, min_tokens: float = 0.0) -> dict[str, f
     return out
 
 
-def idle(pool: Stack) -> None:
-    """Wait until every engine has nothing running or waiting (observable state)."""
-    for s in pool.sims:
+def idle(urls: list[str], timeout: float | None = None) -> None:
+    """Wait until every engine at ``urls`` (the simulator's or vLLM's) has nothing
+    running or waiting by its own metrics (observable state); ``timeout``: fail after so
+    many seconds instead of waiting on."""
+    end = None if timeout is None else time.monotonic() + timeout
+    for url in urls:
         while True:
-            values = parse_vllm_metrics(sim_metrics(s))
-            busy = values.get("running", 0.0) + values.get("waiting", 0.0)
-            if not busy:
+            values = parse_vllm_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
+            if not values.get("running", 0.0) + values.get("waiting", 0.0):
                 break
+            if end is not None and time.monotonic() > end:
+                raise RuntimeError(f"{url} still busy after {timeout:g} s")
             time.sleep(0.2)
 
 
@@ -674,7 +678,7 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace, mix: M
                         file=sys.stderr)
                 rows.append((policy, load, rate, row))
                 print(f"  {policy} {load:g}x done", file=sys.stderr, flush=True)
-                idle(pool)
+                idle([f"http://127.0.0.1:{s.port}" for s in pool.sims])
         finally:
             stop()
     finally:

@@ -54,7 +54,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 from integration.vllm.engine import SERVED_MODEL, VllmServer, built_model, kv_server, own_cpu
 
 from bench import names, run_arguments, scratch, vllm_router
@@ -66,6 +65,7 @@ from bench.scheduling import (
     _fmt,
     drive,
     dump,
+    idle,
     profiled,
     saturate,
     summarize,
@@ -73,7 +73,6 @@ from bench.scheduling import (
 from bench.vllm_admission import chat_body, output_tokens, prose
 from bench.vllm_admission import narwhal_config as admission_config
 from narwhal.launch import REPO_ROOT, Stack, plain_envoy
-from narwhal.server.telemetry import parse_vllm_metrics
 
 POLICIES = ("narwhal", "narwhal-noprefix", "least-work", "vllm-router-cache", "round-robin")
 DEFAULT_POLICIES = ("narwhal", "narwhal-noprefix", "vllm-router-cache", "round-robin")
@@ -111,18 +110,6 @@ class Pool:
     @property
     def urls(self) -> list[str]:
         return [e.url for e in self.engines]
-
-    def idle(self, timeout: float = 120.0) -> None:
-        """Wait until no engine runs or holds a request (its own metrics)."""
-        end = time.monotonic() + timeout
-        for engine in self.engines:
-            while True:
-                values = parse_vllm_metrics(httpx.get(f"{engine.url}/metrics", timeout=10).text)
-                if not values.get("running", 0.0) + values.get("waiting", 0.0):
-                    break
-                if time.monotonic() > end:
-                    raise RuntimeError(f"{engine.name} still busy after {timeout:g} s")
-                time.sleep(0.2)
 
     def stop(self) -> None:
         for engine in self.engines:
@@ -235,7 +222,7 @@ def run_policy(policy: str, loads: list[float], capacity: float, args: argparse.
                 row = summarize(results, args.duration, args.budget_ms / 1000, 1.0)
                 rows.append((policy, load, row | cache_report(results)))
                 print(f"  {name} done", file=sys.stderr, flush=True)
-                pool.idle()
+                idle(pool.urls, timeout=120.0)
         finally:
             stop()
     finally:
