@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 
 import httpx
 import openai
@@ -22,8 +23,10 @@ COMPARED = ("content", "reasoning", "reasoning_content", "refusal", "tool_calls"
 
 
 def both(client: openai.OpenAI, headers: dict | None = None, **kw):
-    """The same seeded request, once streamed (folded here) and once assembled by Narwhal."""
-    kw = {"model": MODEL, "messages": MSGS, "seed": 7, "extra_headers": headers or {}} | kw
+    """The same seeded request, once streamed (folded here) and once assembled by Narwhal,
+    under one ``x-request-id``: the engine names its answer after it, as vLLM does."""
+    headers = {"x-request-id": f"both-{uuid.uuid4().hex}"} | (headers or {})
+    kw = {"model": MODEL, "messages": MSGS, "seed": 7, "extra_headers": headers} | kw
     chunks = list(client.chat.completions.create(stream=True,
                                                  stream_options={"include_usage": True}, **kw))
     return fold_chat(chunks), assembled_chat(client.chat.completions.create(**kw)), chunks
@@ -121,11 +124,14 @@ def test_stop_reason_survives_usage_frame(client):
 
 def test_metadata_retained(client):
     kw = {"model": MODEL, "messages": MSGS, "seed": 11, "max_tokens": 3}
-    first = next(iter(client.chat.completions.create(stream=True, **kw)))
     before = time.time()
-    resp = client.chat.completions.create(**kw)
+    resp = client.chat.completions.create(extra_headers={"x-request-id": "metadata-1"}, **kw)
     after = time.time()
-    assert resp.id == first.id and resp.model == MODEL  # the engine's, from its stream
+    other = client.chat.completions.create(**kw)  # Envoy names it: so does the engine
+    # The engine's, from its stream: like vLLM, the engine names its answer after the
+    # request's x-request-id, which Envoy passes on (or sets when the client did not).
+    assert resp.id == "chatcmpl-metadata-1" and resp.model == MODEL
+    assert other.id.startswith("chatcmpl-") and other.id != resp.id
     # The engine stamps `created` per request (two requests may straddle a second).
     assert math.floor(before) <= resp.created <= math.ceil(after)
     assert resp.object == "chat.completion"

@@ -55,6 +55,7 @@ REFUSALS: list[tuple[str, dict[str, Any]]] = [
     ("frequency-penalty-over-two", {"max_tokens": 2, "frequency_penalty": 5}),
     ("presence-penalty-under-minus-two", {"max_tokens": 2, "presence_penalty": -3}),
     ("user-not-a-string", {"max_tokens": 2, "user": 5}),
+    ("request-id-not-a-string", {"max_tokens": 2, "request_id": 5}),
     ("min-tokens-over-max", {"max_tokens": 2, "min_tokens": 5}),
     ("text-part-not-a-string", {"max_tokens": 2, "messages": [
         {"role": "user", "content": [{"type": "text", "text": 5}]}]}),
@@ -278,6 +279,46 @@ def test_stream_options_without_a_stream_are_refused(engines):
 def test_lax_values_are_accepted(engines, name, extra):
     (vs, _), (ss, _) = _both(engines, "tools", CHAT, {"messages": MSGS} | extra, False)
     assert vs == ss == 200
+
+
+ANSWER_IDS: list[tuple[str, str, dict[str, Any], dict[str, str], str | None]] = [
+    ("chat-header", CHAT, {"messages": MSGS}, {"x-request-id": "from-header"},
+     "chatcmpl-from-header"),
+    ("text-header", TEXT, {"prompt": "The narwhal"}, {"x-request-id": "from-header"},
+     "cmpl-from-header"),
+    ("chat-body", CHAT, {"messages": MSGS, "request_id": "from-body"}, {},
+     "chatcmpl-from-body"),
+    ("header-over-body", CHAT, {"messages": MSGS, "request_id": "from-body"},
+     {"x-request-id": "from-header"}, "chatcmpl-from-header"),
+    ("chat-neither", CHAT, {"messages": MSGS}, {}, None),
+]
+
+
+@pytest.mark.parametrize("name,path,body,headers,expected", ANSWER_IDS,
+                         ids=[r[0] for r in ANSWER_IDS])
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+def test_answer_ids(engines, name, path, body, headers, expected, stream):
+    """Both engines name an answer after the request's ``X-Request-Id`` (which Envoy sets
+    on every request it proxies), else its body's ``request_id``; else after nothing the
+    caller chose, so two identical requests get two names."""
+    for url in engines["tools"]:
+        ids = []
+        with httpx.Client(base_url=url, timeout=120) as c:
+            full = {"model": SERVED_MODEL, "max_tokens": 2, "seed": 3} | body
+            for _ in range(2):
+                if stream:
+                    status, events = sse(c, path, full | {"stream": True}, headers=headers)
+                    assert {e["id"] for e in events if isinstance(e, dict)} == {events[0]["id"]}
+                else:
+                    resp = c.post(path, json=full, headers=headers)
+                    status, events = resp.status_code, [resp.json()]
+                assert status == 200, (url, events)
+                ids.append(events[0]["id"])
+        if expected is not None:
+            assert ids == [expected, expected], url
+        else:
+            prefix = "chatcmpl-" if path == CHAT else "cmpl-"
+            assert ids[0].startswith(prefix) and ids[0] != ids[1], (url, ids)
 
 
 def test_unknown_model(engines):

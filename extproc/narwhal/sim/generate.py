@@ -23,6 +23,7 @@ import hashlib
 import math
 import random
 import time
+import uuid
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -231,9 +232,10 @@ def _validate_sampling(body: dict[str, Any], chat: bool) -> None:
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
         raise pydantic_error("body.stop", "string_type", "Input should be a valid string")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise pydantic_error("body.user", "string_type", "Input should be a valid string")
+    for key in ("user", "request_id"):
+        value = body.get(key)
+        if value is not None and not isinstance(value, str):
+            raise pydantic_error(f"body.{key}", "string_type", "Input should be a valid string")
     if body.get("stream_options") and not body.get("stream"):
         raise SimRequestError("Stream options can only be defined when `stream=True`.",
                               "stream_options")
@@ -341,8 +343,19 @@ def _logprob_request(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
     return True, int(lp) if isinstance(lp, int) else 0
 
 
+def _answer_id(body: dict[str, Any], header_id: str | None) -> str:
+    if header_id is not None:
+        return header_id
+    asked = body.get("request_id")  # a string, or refused by _validate_sampling
+    return asked if isinstance(asked, str) else uuid.uuid4().hex
+
+
 def make_plan(body: dict[str, Any], opts: SimOptions, fault: str | None,
-              output: str | None) -> Plan:
+              output: str | None, header_id: str | None = None) -> Plan:
+    """The whole answer to ``body``, decided up front. Its ``id`` is vLLM's: the
+    ``X-Request-Id`` header (``header_id``; Envoy sets one on every request it proxies),
+    else the body's ``request_id``, else a fresh UUID, so that no two answers share one
+    unless their callers asked (the generated text is still a function of the seed)."""
     chat = "messages" in body
     if not chat and "prompt" not in body:
         raise SimRequestError("either messages or prompt is required", "messages")
@@ -406,7 +419,7 @@ def make_plan(body: dict[str, Any], opts: SimOptions, fault: str | None,
         stop=stops,
         echo=not chat and body.get("echo") is True,
         include_reasoning=include_reasoning,
-        request_id=f"{'chatcmpl' if chat else 'cmpl'}-{seed & 0xFFFFFFFF:08x}{rng.getrandbits(32):08x}",
+        request_id=f"{'chatcmpl' if chat else 'cmpl'}-{_answer_id(body, header_id)}",
         created=int(time.time()),
         model=opts.model,
         dialect=opts.dialect,

@@ -271,7 +271,8 @@ class Engine:
             if is_chat != ("messages" in body):
                 raise SimRequestError("messages is required" if is_chat else "prompt is required",
                                       "messages" if is_chat else "prompt")
-            plan = make_plan(body, self.opts, fault, output)
+            plan = make_plan(body, self.opts, fault, output,
+                             request.headers.get("x-request-id"))
         except UnicodeDecodeError:  # what FastAPI answers before vLLM's handlers run
             return web.json_response({"detail": "There was an error parsing the body"},
                                      status=400)
