@@ -83,7 +83,7 @@ def test_queue_full_is_429_retry_after_1(no_queue):
     wait_for(no_queue, lambda s: s["engines"][0]["in_flight"] == 1)
     resp = post(no_queue, {"max_tokens": 2})
     assert envelope(resp, 429)["code"] == "queue_full"
-    assert resp.headers["retry-after"] == "1"
+    assert resp.headers["retry-after"] == "1" and resp.headers["retry-after-ms"] == "1000"
     assert first.result().status_code == 200
     assert status(no_queue)["requests"]["terminal"]["rejected"] == before + 1
 
@@ -287,8 +287,21 @@ def test_prompt_alone_over_budget_is_429_without_retry_after(predictive):
     resp = post(predictive, {"messages": prompt(2500), "max_tokens": 2})  # 1.25 s > 1 s
     err = envelope(resp, 429)
     assert "shorten the prompt or raise the target" in err["message"]
-    assert "retry-after" not in resp.headers
+    assert "retry-after" not in resp.headers and resp.headers["x-should-retry"] == "false"
     assert status(predictive)["requests"]["terminal"]["refused"] >= 1
+
+
+def test_the_openai_client_does_not_retry_a_prompt_over_the_budget_alone(predictive):
+    """A 429 the same request can never pass: x-should-retry: false, which the official
+    client obeys before its rule of retrying every 429 (twice by default, with backoff)."""
+    before = wait_for(predictive, lambda s: s["requests"]["in_flight"] == 0)["requests"]
+    client = openai.OpenAI(base_url=f"{predictive.url}/v1", api_key="x", max_retries=2)
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(model=MODEL, messages=prompt(2500), max_tokens=2)
+    assert refused.value.code == "prompt_exceeds_ttft_budget"
+    after = status(predictive)["requests"]
+    assert after["offered"] == before["offered"] + 1  # one attempt, not three
+    assert after["terminal"]["refused"] == before["terminal"]["refused"] + 1
 
 
 def test_slo_header_raises_the_budget(predictive):
@@ -328,6 +341,12 @@ def test_projected_over_budget_is_429_with_rounded_overrun(predictive):
     overrun_ms = int(err["message"].split(" by ")[1].split(" ms")[0])
     assert overrun_ms > 1500  # ~2.8 s of prefill ahead
     assert resp.headers["retry-after"] == str(max(1, round(overrun_ms / 1000)))
+    # the overrun unrounded (up to the millisecond: not before), which the official
+    # client reads before Retry-After
+    hint_ms = int(resp.headers["retry-after-ms"])
+    assert overrun_ms <= hint_ms <= overrun_ms + 1
+    client = openai.OpenAI(base_url=f"{predictive.url}/v1", api_key="x")
+    assert client._parse_retry_after_header(resp.headers) == hint_ms / 1000
     assert all(f.result().status_code == 200 for f in ahead)
 
 

@@ -119,6 +119,10 @@ def test_prompt_alone_over_budget():
     d = router.scheduler.admit(ticket(router, 9000, budget_s=2.0), clock.t)  # 2.25 s on fast
     assert isinstance(d, Refuse) and d.error.status == 429 and d.error.retry_after is None
     assert d.error.terminal == "refused" and "shorten the prompt" in d.error.message
+    # the same request cannot succeed later: the OpenAI clients are told not to retry it
+    headers = dict(d.error.headers())
+    assert headers["x-should-retry"] == "false"
+    assert "retry-after" not in headers and "retry-after-ms" not in headers
 
 
 def test_projected_over_budget_rounds_the_overrun():
@@ -132,9 +136,14 @@ def test_projected_over_budget_rounds_the_overrun():
     d = router.scheduler.admit(ticket(router, 3000, budget_s=0.8), clock.t)
     assert isinstance(d, Refuse) and d.error.retry_after == 2 and d.error.code == (
         "ttft_budget_exceeded")
-    # 2.255 s against 2.0 s: overrun 0.255 s rounds to 0, and Retry-After is at least 1
+    assert 1955 <= int(dict(d.error.headers())["retry-after-ms"]) <= 1956  # not before
+    # 2.255 s against 2.0 s: overrun 0.255 s rounds to 0, and Retry-After is at least 1;
+    # retry-after-ms says when, unrounded
     d = router.scheduler.admit(ticket(router, 1000, budget_s=2.0), clock.t)
     assert isinstance(d, Refuse) and d.error.retry_after == 1
+    headers = dict(d.error.headers())
+    assert headers["retry-after"] == "1" and 255 <= int(headers["retry-after-ms"]) <= 256
+    assert "x-should-retry" not in headers  # a 429: the clients retry it anyway
 
 
 def test_open_mode_skips_prediction():
@@ -153,6 +162,7 @@ def test_phase_slots_queue_and_fifo_pump():
     full = s.admit(t5, clock.t)
     assert isinstance(full, Refuse) and full.error.code == "queue_full"
     assert full.error.terminal == "rejected" and full.error.retry_after == 1
+    assert dict(full.error.headers())["retry-after-ms"] == "1000"  # the same second
     s.first_token(t1, clock.t)  # prefill -> decode: still no slot (decode limit 1)
     assert s.pump(clock.t) == []
     s.release(t1)
@@ -590,6 +600,8 @@ def test_a_queue_wait_past_the_admission_wait_limit_is_refused_at_once():
             assert isinstance(decision, Refuse)
             assert decision.error.code == "queue_wait_exceeded"
             assert decision.error.status == 429 and decision.error.retry_after == 1
+            # 2 s ahead against the 1.5 s limit: back in 500 ms, unrounded
+            assert 500 <= int(dict(decision.error.headers())["retry-after-ms"]) <= 501
 
 
 def test_least_work_order_gives_a_freed_slot_to_the_request_with_the_least_work():

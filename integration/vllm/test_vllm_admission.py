@@ -42,14 +42,17 @@ def test_a_prompt_over_the_budget_alone_is_refused_without_retry_after(tools_pai
     with tools_pair.routed() as c:
         resp = c.post(CHAT, json=BODY, headers={"x-slo-ttft-ms": "0.001"})
     assert resp.status_code == 429 and "retry-after" not in resp.headers
+    assert resp.headers["x-should-retry"] == "false"  # the OpenAI clients do not retry it
     error = resp.json()["error"]
     assert error["code"] == "prompt_exceeds_ttft_budget" and error["type"] == "rate_limit_error"
     assert tools_pair.stack_counts()["refused"] == before["refused"] + 1
-    client = openai.OpenAI(base_url=f"{tools_pair.stack.url}/v1", api_key="-", max_retries=0)
+    # its default retries: none taken
+    client = openai.OpenAI(base_url=f"{tools_pair.stack.url}/v1", api_key="-")
     with pytest.raises(openai.RateLimitError) as info:
         client.chat.completions.create(model=SERVED_MODEL, messages=MSGS, max_tokens=4,
                                        extra_headers={"x-slo-ttft-ms": "0.001"})
     assert info.value.code == "prompt_exceeds_ttft_budget"
+    assert tools_pair.stack_counts()["refused"] == before["refused"] + 2
 
 
 def test_a_tpot_budget_no_engine_meets_is_refused_with_retry_after(tools_pair):
@@ -109,6 +112,7 @@ def test_a_request_behind_a_backlog_over_the_budget_is_refused_with_its_overrun(
         assert budget == SMALL_BUDGET_MS and abs(projected - budget - overrun) <= 1
         retry = int(resp.headers["retry-after"])
         assert retry >= 1 and abs(retry - max(1.0, overrun / 1000)) <= 0.5 + 1e-3
+        assert overrun <= int(resp.headers["retry-after-ms"]) <= overrun + 1  # unrounded
     for resp in admitted:
         assert resp.json()["usage"]["completion_tokens"] >= 1
     settled = small_pair.settled()["requests"]

@@ -6,6 +6,7 @@ refuse is also the place that decides how the refusal is counted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import orjson
@@ -30,7 +31,14 @@ class HttpError(Exception):
     terminal: str
     code: str | int | None = None  # vLLM's envelopes carry the HTTP status as an int
     param: str | None = None
-    retry_after: int | None = None
+    retry_after: int | None = None  # Retry-After: whole seconds, as the seed's table says
+    # The same hint unrounded (``retry-after-ms``; else ``retry_after`` in ms): the official
+    # OpenAI clients read it before Retry-After, so a client told "by 230 ms" waits 230 ms,
+    # not the whole second Retry-After can say.
+    retry_after_ms: int | None = None
+    # ``x-should-retry`` (the OpenAI clients obey it before the status): False where the
+    # same request cannot succeed later, which those clients would otherwise retry twice.
+    should_retry: bool | None = None
 
     def body(self) -> bytes:
         return orjson.dumps(
@@ -41,7 +49,10 @@ class HttpError(Exception):
     def headers(self) -> list[tuple[str, str]]:
         hdrs = [("content-type", "application/json")]
         if self.retry_after is not None:
-            hdrs.append(("retry-after", str(self.retry_after)))
+            ms = self.retry_after * 1000 if self.retry_after_ms is None else self.retry_after_ms
+            hdrs += (("retry-after", str(self.retry_after)), ("retry-after-ms", str(ms)))
+        if self.should_retry is not None:
+            hdrs.append(("x-should-retry", "true" if self.should_retry else "false"))
         return hdrs
 
     def sse_event(self) -> bytes:
@@ -98,7 +109,7 @@ def prompt_too_long(alone_s: float, budget_s: float) -> HttpError:
         429, f"The prompt alone needs about {alone_s * 1000:.0f} ms to prefill, over the "
         f"{budget_s * 1000:.0f} ms time-to-first-token budget: shorten the prompt or raise "
         "the target (x-slo-ttft-ms)", "rate_limit_error", REFUSED,
-        code="prompt_exceeds_ttft_budget")
+        code="prompt_exceeds_ttft_budget", should_retry=False)
 
 
 def engines_saturated() -> HttpError:
@@ -115,13 +126,19 @@ def tpot_over_budget(projected_s: float, budget_s: float) -> HttpError:
         "rate_limit_error", REFUSED, code="tpot_budget_exceeded", retry_after=1)
 
 
+def _ms(overrun_s: float) -> int:
+    """An overrun in whole milliseconds, rounded up: a client that waits it does not come
+    back before the work ahead of it has had that long."""
+    return max(1, math.ceil(overrun_s * 1000))
+
+
 def projected_over_budget(projected_s: float, budget_s: float) -> HttpError:
     overrun = projected_s - budget_s
     return HttpError(
         429, f"Projected time to first token {projected_s * 1000:.0f} ms exceeds the "
         f"{budget_s * 1000:.0f} ms budget by {overrun * 1000:.0f} ms; retry later",
         "rate_limit_error", REFUSED, code="ttft_budget_exceeded",
-        retry_after=max(1, round(overrun)))
+        retry_after=max(1, round(overrun)), retry_after_ms=_ms(overrun))
 
 
 def queue_wait_over_limit(wait_s: float, limit_s: float) -> HttpError:
@@ -130,7 +147,7 @@ def queue_wait_over_limit(wait_s: float, limit_s: float) -> HttpError:
         429, f"Projected wait in the admission queue {wait_s * 1000:.0f} ms exceeds the "
         f"{limit_s * 1000:.0f} ms limit (admission.max_wait_ms) by {overrun * 1000:.0f} ms; "
         "retry later", "rate_limit_error", REFUSED, code="queue_wait_exceeded",
-        retry_after=max(1, round(overrun)))
+        retry_after=max(1, round(overrun)), retry_after_ms=_ms(overrun))
 
 
 def queue_full() -> HttpError:
