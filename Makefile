@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 HELM   := .tools/bin/helm
 
-.PHONY: demo test lint bench bench-scheduling bench-vllm bench-vllm-prefix clean containers vllm native
+.PHONY: demo test lint bench bench-scheduling bench-vllm bench-vllm-prefix bench-vllm-retries clean containers vllm native
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ bench-vllm: $(STAMP) vllm
 bench-vllm-prefix: $(STAMP) vllm
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench.vllm_prefix
+
+# Refused requests retried as the OpenAI client does, by the hints the clients read.
+bench-vllm-retries: $(STAMP) vllm
+	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/python -m bench.vllm_retries
 
 clean:
 	rm -rf $(VENV) .venv-vllm .tools .pytest_cache .ruff_cache

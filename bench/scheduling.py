@@ -182,6 +182,10 @@ class Result:
     prompt_tokens: int | None = None  # the engine's usage
     cached: int | None = None  # the prompt tokens the engine found cached (its usage)
     predicted_cached: int | None = None  # x-narwhal-predicted-cached-tokens
+    # a refusal's advice: Retry-After, retry-after-ms, x-should-retry (as sent)
+    retry_after: str | None = None
+    retry_after_ms: str | None = None
+    should_retry: str | None = None
 
 
 async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: int) -> Result:
@@ -215,6 +219,9 @@ async def stream(session: aiohttp.ClientSession, url: str,
             cached = resp.headers.get("x-narwhal-predicted-cached-tokens")
             result.predicted_cached = int(cached) if cached else None
             if resp.status != 200:
+                result.retry_after = resp.headers.get("retry-after")
+                result.retry_after_ms = resp.headers.get("retry-after-ms")
+                result.should_retry = resp.headers.get("x-should-retry")
                 try:
                     error = orjson.loads(await resp.read())["error"]
                     result.refusal = f"{error['code']}: {error['message']}"

@@ -208,3 +208,53 @@ def test_the_prefix_workload_fits_the_models_context():
                                                                    k=body["max_tokens"])))
     assert turns == 6  # conversations do grow to their limit: three user turns
     assert longest < MAX_MODEL_LEN
+
+
+def test_the_retrying_client_reads_the_hints_as_the_openai_client_does():
+    """``bench.vllm_retries``: ``retry-after-ms`` first (the ``ms`` clients), else
+    ``Retry-After``; the backoff without a hint (0.5 s, then 1 s, less up to 25%); no retry
+    on ``x-should-retry: false``, a status the client does not retry, or a hint past two
+    minutes; checked against the official client's own reading of the same headers."""
+    import random
+
+    import httpx
+    import openai
+    from bench.scheduling import Result
+    from bench.vllm_retries import retry_delay
+
+    rng = random.Random(1)
+    refused = Result(429, 0.0, retry_after="1", retry_after_ms="230")
+    assert retry_delay(refused, "ms", 0, rng) == 0.23
+    assert retry_delay(refused, "seconds", 0, rng) == 1.0
+    client = openai.OpenAI(base_url="http://127.0.0.1:1/v1", api_key="x")
+    headers = httpx.Headers({"retry-after": "1", "retry-after-ms": "230"})
+    assert client._parse_retry_after_header(headers) == retry_delay(refused, "ms", 0, rng)
+    for taken, base in ((0, 0.5), (1, 1.0)):
+        delay = retry_delay(refused, "none", taken, rng)
+        assert delay is not None and 0.75 * base <= delay <= base
+    assert retry_delay(Result(429, 0.0, retry_after="2"), "ms", 0, rng) == 2.0
+    assert retry_delay(Result(429, 0.0, should_retry="false"), "ms", 0, rng) is None
+    assert retry_delay(Result(429, 0.0, retry_after="121"), "ms", 0, rng) is None
+    assert retry_delay(Result(400, 0.0), "ms", 0, rng) is None
+    assert retry_delay(Result(503, 0.0, retry_after="1"), "seconds", 0, rng) == 1.0
+
+
+def test_the_retry_report_follows_each_user_request_through_its_attempts():
+    """A chain served on its first attempt, one refused then served (its wait runs from the
+    first attempt to the retry's first token), one refused to the end."""
+    from bench.scheduling import Result
+    from bench.vllm_retries import Chain, report
+
+    first = Chain([Result(200, 0.0, ttft_s=1.0)])
+    retried = Chain([Result(429, 10.0), Result(200, 10.5, ttft_s=2.0)], [0.5])
+    late = Chain([Result(429, 20.0), Result(429, 20.3), Result(200, 21.0, ttft_s=4.0)],
+                 [0.3, 0.7])
+    given_up = Chain([Result(429, 30.0), Result(429, 31.0), Result(429, 32.0)], [1.0, 1.0])
+    r = report([first, retried, late, given_up], duration=10.0, budget_s=3.0)
+    assert r["chains"] == 0.4 and r["attempts"] == 0.9
+    assert r["refused_first"] == 0.75
+    assert r["recovered"] == 2 / 3 and r["recovered_in_budget"] == 1 / 3
+    assert retried.waited_s() == 2.5 and late.waited_s() == 5.0
+    assert r["retries"] == 5 and r["retries_admitted"] == 2 / 5
+    assert r["in_budget"] == 2 / 3  # of the admitted attempts: 1.0 s, 2.0 s, 4.0 s
+    assert r["goodput"] == 0.2 and r["served"] == 0.75
