@@ -20,7 +20,9 @@ of ``--budget-ms``). Each user request is a chain of attempts, arriving open-loo
 above with the hints a client reads (``--hints``): ``ms`` (``retry-after-ms`` first: the
 OpenAI Python client since it learnt the header), ``seconds`` (``Retry-After`` only:
 clients that read the standard header; all Narwhal said before ``retry-after-ms``),
-``none`` (the backoff alone: what a router without hints gets). One Narwhal serves every
+``overrun`` (the overrun itself, read from the refusal's message: ``retry-after-ms`` as it
+was first written, without the floor of a second), ``none`` (the backoff alone: what a
+router without hints gets). One Narwhal serves every
 cell, the hint modes interleaved at each load, each cell after a warm-up at its load.
 
 Per cell: chains and attempts per second; the share of chains refused at their first
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,7 +54,8 @@ from bench.vllm_admission import (
     start_engine,
 )
 
-HINTS = ("ms", "seconds", "none")
+HINTS = ("ms", "seconds", "overrun", "none")
+OVERRUN = re.compile(r" by (\d+) ms")  # the refusal's message: the overrun, unrounded
 # The OpenAI Python client's rule (openai 3.63, ``_base_client``): its defaults.
 MAX_RETRIES = 2
 INITIAL_RETRY_DELAY = 0.5
@@ -93,9 +97,14 @@ def retry_delay(result: Result, hints: str, retries_taken: int,
     if result.status not in RETRIED_STATUSES and result.status < 500:
         return None
     read = {"ms": (("retry_after_ms", 1000.0), ("retry_after", 1.0)),
+            "overrun": (("overrun", 1000.0), ("retry_after", 1.0)),
             "seconds": (("retry_after", 1.0),), "none": ()}[hints]
     for attr, divisor in read:
-        value = getattr(result, attr)
+        if attr == "overrun":
+            found = OVERRUN.search(result.refusal)
+            value = found.group(1) if found else None
+        else:
+            value = getattr(result, attr)
         if value is None:
             continue
         try:

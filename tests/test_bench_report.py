@@ -223,12 +223,18 @@ def test_the_retrying_client_reads_the_hints_as_the_openai_client_does():
     from bench.vllm_retries import retry_delay
 
     rng = random.Random(1)
-    refused = Result(429, 0.0, retry_after="1", retry_after_ms="230")
-    assert retry_delay(refused, "ms", 0, rng) == 0.23
+    refused = Result(429, 0.0, retry_after="1", retry_after_ms="1230", refusal=(
+        "ttft_budget_exceeded: Projected time to first token 4230 ms exceeds the 3000 ms "
+        "budget by 1230 ms; retry later"))
+    assert retry_delay(refused, "ms", 0, rng) == 1.23
     assert retry_delay(refused, "seconds", 0, rng) == 1.0
+    assert retry_delay(refused, "overrun", 0, rng) == 1.23
     client = openai.OpenAI(base_url="http://127.0.0.1:1/v1", api_key="x")
-    headers = httpx.Headers({"retry-after": "1", "retry-after-ms": "230"})
+    headers = httpx.Headers({"retry-after": "1", "retry-after-ms": "1230"})
     assert client._parse_retry_after_header(headers) == retry_delay(refused, "ms", 0, rng)
+    full = Result(429, 0.0, retry_after="1", retry_after_ms="1000",
+                  refusal="queue_full: Admission queue is full; retry")
+    assert retry_delay(full, "overrun", 0, rng) == 1.0  # no overrun said: Retry-After
     for taken, base in ((0, 0.5), (1, 1.0)):
         delay = retry_delay(refused, "none", taken, rng)
         assert delay is not None and 0.75 * base <= delay <= base

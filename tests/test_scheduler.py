@@ -138,12 +138,18 @@ def test_projected_over_budget_rounds_the_overrun():
         "ttft_budget_exceeded")
     assert 1955 <= int(dict(d.error.headers())["retry-after-ms"]) <= 1956  # not before
     # 2.255 s against 2.0 s: overrun 0.255 s rounds to 0, and Retry-After is at least 1;
-    # retry-after-ms says when, unrounded
+    # so is retry-after-ms (the overrun is the earliest it could fit: too early under load)
     d = router.scheduler.admit(ticket(router, 1000, budget_s=2.0), clock.t)
     assert isinstance(d, Refuse) and d.error.retry_after == 1
     headers = dict(d.error.headers())
-    assert headers["retry-after"] == "1" and 255 <= int(headers["retry-after-ms"]) <= 256
+    assert headers["retry-after"] == "1" and headers["retry-after-ms"] == "1000"
     assert "x-should-retry" not in headers  # a 429: the clients retry it anyway
+    # four more ahead: 1.255 s rounds to 1 s, before it could fit; retry-after-ms does not
+    for _ in range(4):
+        router.scheduler.admit(ticket(router, 1000, budget_s=60), clock.t)
+    d = router.scheduler.admit(ticket(router, 1000, budget_s=2.0), clock.t)
+    assert isinstance(d, Refuse) and d.error.retry_after == 1, d
+    assert 1255 <= int(dict(d.error.headers())["retry-after-ms"]) <= 1256, d.error.message
 
 
 def test_open_mode_skips_prediction():
@@ -600,8 +606,8 @@ def test_a_queue_wait_past_the_admission_wait_limit_is_refused_at_once():
             assert isinstance(decision, Refuse)
             assert decision.error.code == "queue_wait_exceeded"
             assert decision.error.status == 429 and decision.error.retry_after == 1
-            # 2 s ahead against the 1.5 s limit: back in 500 ms, unrounded
-            assert 500 <= int(dict(decision.error.headers())["retry-after-ms"]) <= 501
+            # 2 s ahead against the 1.5 s limit: 500 ms over, told a second
+            assert dict(decision.error.headers())["retry-after-ms"] == "1000"
 
 
 def test_least_work_order_gives_a_freed_slot_to_the_request_with_the_least_work():
