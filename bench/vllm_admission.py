@@ -36,7 +36,9 @@ import math
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import aiohttp
 from integration.vllm.engine import SERVED_MODEL, VllmServer, built_model
@@ -89,10 +91,19 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict) -> Result:
     return (await stream(session, url, body))[0]
 
 
-async def drive(url: str, rate: float, warmup: float, duration: float,
-                seed: int) -> list[Result]:
-    """Poisson arrivals at ``rate`` for ``warmup`` + ``duration`` s; returns the requests
-    that arrived after the warm-up."""
+class Sent(Protocol):
+    start: float  # when its (first) request went
+
+
+S = TypeVar("S", bound=Sent)
+
+
+async def drive(url: str, rate: float, warmup: float, duration: float, seed: int,
+                send: Callable[[aiohttp.ClientSession, str, dict], Awaitable[S]] = one,
+                ) -> list[S]:
+    """Poisson arrivals at ``rate`` for ``warmup`` + ``duration`` s, each a body sent by
+    ``send`` (one request by default; ``bench.vllm_retries``: a request and its
+    retries); returns what those that arrived after the warm-up came to."""
     rng, bodies = random.Random(seed), random.Random(seed + 1)
     timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout,
@@ -105,7 +116,7 @@ async def drive(url: str, rate: float, warmup: float, duration: float,
             if t >= end:
                 break
             await asyncio.sleep(max(0.0, t - time.monotonic()))
-            tasks.append(asyncio.ensure_future(one(session, url, request_body(bodies))))
+            tasks.append(asyncio.ensure_future(send(session, url, request_body(bodies))))
         done = await asyncio.gather(*tasks)
     return [r for r in done if r.start >= measured]
 
@@ -159,8 +170,9 @@ def start_engine(workdir: Path) -> VllmServer:
     return VllmServer("vllm-small", built_model(workdir / "model", "small"), workdir).spawn().wait()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def cell_arguments(parser: argparse.ArgumentParser) -> None:
+    """The single-engine benchmarks' cells: how long, at which loads of the engine's
+    capacity (measured unless given), against which TTFT budget; and ``run_arguments``."""
     parser.add_argument("--duration", type=float, default=120.0, help="measured seconds a cell")
     parser.add_argument("--warmup", type=float, default=30.0,
                         help="seconds of load at the cell's rate before it is measured")
@@ -168,8 +180,19 @@ def main() -> int:
     parser.add_argument("--budget-ms", type=int, default=3000, help="TTFT budget")
     parser.add_argument("--capacity", type=float, default=0.0,
                         help="the engine's saturated requests/s (measured first if absent)")
-    parser.add_argument("--paths", default=",".join(PATHS))
     run_arguments(parser)
+
+
+def capacity_of(engine: VllmServer, given: float) -> float:
+    """``given``, or the engine's saturated throughput: 16 clients in a closed loop
+    straight to it (it runs 8 at a time)."""
+    return given or asyncio.run(saturate(f"{engine.url}/v1/chat/completions", 16, 15.0, 45.0))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--paths", default=",".join(PATHS))
+    cell_arguments(parser)
     args = parser.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
     paths = names(parser, args.paths, PATHS, "path")
@@ -179,7 +202,7 @@ def main() -> int:
         engine = start_engine(workdir)
         try:
             direct_url = f"{engine.url}/v1/chat/completions"
-            capacity = args.capacity or asyncio.run(saturate(direct_url, 16, 15.0, 45.0))
+            capacity = capacity_of(engine, args.capacity)
             for path in paths:
                 stack = (narwhal(engine, args.budget_ms, path) if path in NARWHAL_PATHS
                          else None)

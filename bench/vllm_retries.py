@@ -35,24 +35,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import random
 import re
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
-from bench import names, run_arguments, scratch
+from bench import names, scratch
 from bench.scheduling import Result, _fmt, dump, quantile, stream
-from bench.vllm_admission import (
-    CLIENT_TIMEOUT_S,
-    narwhal,
-    request_body,
-    saturate,
-    start_engine,
-)
+from bench.vllm_admission import capacity_of, cell_arguments, drive, narwhal, start_engine
 
 HINTS = ("ms", "seconds", "overrun", "none")
 OVERRUN = re.compile(r" by (\d+) ms")  # the refusal's message: the overrun, unrounded
@@ -70,6 +64,10 @@ class Chain:
 
     attempts: list[Result] = field(default_factory=list)
     waits: list[float] = field(default_factory=list)
+
+    @property
+    def start(self) -> float:
+        return self.attempts[0].start
 
     @property
     def last(self) -> Result:
@@ -135,29 +133,6 @@ async def chain(session: aiohttp.ClientSession, url: str, body: dict, hints: str
         await asyncio.sleep(delay)
 
 
-async def drive(url: str, rate: float, warmup: float, duration: float, seed: int,
-                hints: str) -> list[Chain]:
-    """Chains arriving at ``rate`` (Poisson) for ``warmup`` + ``duration`` s; returns those
-    whose first attempt came after the warm-up. The same seed, the same arrivals and
-    bodies, whichever the hints."""
-    rng, bodies, jitter = random.Random(seed), random.Random(seed + 1), random.Random(seed + 2)
-    timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
-        t = time.monotonic()
-        measured, end = t + warmup, t + warmup + duration
-        tasks = []
-        while True:
-            t += rng.expovariate(rate)
-            if t >= end:
-                break
-            await asyncio.sleep(max(0.0, t - time.monotonic()))
-            tasks.append(asyncio.ensure_future(
-                chain(session, url, request_body(bodies), hints, jitter)))
-        done = await asyncio.gather(*tasks)
-    return [c for c in done if c.attempts[0].start >= measured]
-
-
 def report(chains: list[Chain], duration: float, budget_s: float) -> dict:
     """A cell's figures (see the module's docstring)."""
     attempts = [a for c in chains for a in c.attempts]
@@ -193,16 +168,9 @@ def report(chains: list[Chain], duration: float, budget_s: float) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=120.0, help="measured seconds a cell")
-    parser.add_argument("--warmup", type=float, default=30.0,
-                        help="seconds of load at the cell's rate before it is measured")
-    parser.add_argument("--loads", default="1,1.5", help="multiples of the engine's capacity")
     parser.add_argument("--hints", default=",".join(HINTS),
                         help="which of a refusal's hints the clients read")
-    parser.add_argument("--budget-ms", type=int, default=3000, help="TTFT budget")
-    parser.add_argument("--capacity", type=float, default=0.0,
-                        help="the engine's saturated requests/s (measured first if absent)")
-    run_arguments(parser)
+    cell_arguments(parser)
     args = parser.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
     modes = names(parser, args.hints, HINTS, "hint mode")
@@ -211,15 +179,16 @@ def main() -> int:
     with scratch("narwhal-vllm-") as workdir:
         engine = start_engine(workdir)
         try:
-            direct = f"{engine.url}/v1/chat/completions"
-            capacity = args.capacity or asyncio.run(saturate(direct, 16, 15.0, 45.0))
+            capacity = capacity_of(engine, args.capacity)
             stack = narwhal(engine, args.budget_ms)
             try:
                 url = f"{stack.url}/v1/chat/completions"
                 for load in loads:
                     for hints in modes:
-                        chains = asyncio.run(drive(url, load * capacity, args.warmup,
-                                                   args.duration, args.seed, hints))
+                        jitter = random.Random(args.seed + 2)
+                        chains = asyncio.run(drive(
+                            url, load * capacity, args.warmup, args.duration, args.seed,
+                            functools.partial(chain, hints=hints, rng=jitter)))
                         if args.samples:
                             dump([a for c in chains for a in c.attempts],
                                  Path(args.samples) / f"{hints}-{load:g}.jsonl")
