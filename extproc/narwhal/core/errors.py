@@ -130,9 +130,10 @@ def _return_ms(overrun_s: float) -> int:
     Retry-After is at least. Why not the overrun alone: it is the earliest the request
     could fit, were nothing admitted meanwhile, and under load something always is.
     Measured in front of real vLLM (``bench.vllm_retries``, clients retrying as the
-    OpenAI client does): returning after the raw overrun (median ~150-210 ms), 32-43% of
-    retries were admitted and 53-67% of refused requests were served in the end; after
-    the whole second, 38-54% and 61-81%. Why not Retry-After alone: rounded to the
+    OpenAI client does, 1.0-1.5x its capacity): returning after the raw overrun (median
+    139-214 ms), 30-43% of retries were admitted and 51-67% of refused requests were
+    served in the end; after the whole second, 32-70% and 54-91% (the same cells, the
+    forty-fourth session's in docs/measurements.md). Why not Retry-After alone: rounded to the
     nearest second, an overrun of 1.4 s says 1 s, before the request could fit."""
     return max(1000, math.ceil(overrun_s * 1000))
 
