@@ -384,8 +384,9 @@ def test_an_engine_padding_its_answer_with_large_comments_is_served_whole(paced_
     before = settled(paced_stack)["requests"]["terminal"]
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 8, "stream": stream}
     url = f"{paced_stack.url}/v1/chat/completions"
-    plain = httpx.post(url, json=body, timeout=60)
-    padded = httpx.post(url, json=body, timeout=60, headers={"x-sim-fault": "padding"})
+    named = {"x-request-id": f"padding-{stream}"}  # the engine names both answers alike
+    plain = httpx.post(url, json=body, timeout=60, headers=named)
+    padded = httpx.post(url, json=body, timeout=60, headers=named | {"x-sim-fault": "padding"})
     assert plain.status_code == padded.status_code == 200
     if stream:  # the same events (but for the second each was created in), no comments
         assert not any(line.startswith(":") for line in padded.text.splitlines())

@@ -41,7 +41,9 @@ def router() -> Router:
 
 def engine_stream(body: bytes, fault: str | None = None) -> bytes:
     up = orjson.loads(body)
-    plan = make_plan(up, SimOptions(), fault, None)
+    # named after one request ID (Envoy's x-request-id), so that two streams of the same
+    # body are the same bytes
+    plan = make_plan(up, SimOptions(), fault, None, "exchange-test")
     return b"".join(data for _, data in stream_events(plan))
 
 
