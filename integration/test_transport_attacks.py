@@ -15,6 +15,7 @@ import grpc
 import h2.config
 import h2.connection
 import h2.events
+import h2.settings
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -296,11 +297,8 @@ def test_open_streams_are_bounded_across_connections(router):
     (before: 16,384 a connection, ~2 KB each, on each of max_connections); the bound is
     the process's, so another connection's stream is refused too; once the peer goes, the
     port serves again."""
-    def settings(evs: list) -> bool:
-        return any(isinstance(e, h2.events.RemoteSettingsChanged) for e in evs)
-
     with attack(router) as peer:
-        peer.events(settings)  # the router's stream limit, before opening past h2's 100
+        peer.events(settings_received)  # the router's stream limit, before opening past h2's 100
         sids = []
         for _ in range(1100):
             sid = peer.headers(WATCH)
@@ -316,7 +314,7 @@ def test_open_streams_are_bounded_across_connections(router):
         assert {grpc_status(events, s) for s in refused} == {8}  # RESOURCE_EXHAUSTED
         other = Peer(router)
         try:
-            other.events(settings)
+            other.events(settings_received)
             sid = other.headers(CHECK)
             other.h2.send_data(sid, EMPTY_MESSAGE, end_stream=True)
             other.flush()
@@ -350,3 +348,104 @@ def test_a_stream_without_a_message_is_ended(router):
         assert grpc_status(events, watch) is None  # still watching
         assert not any(isinstance(e, h2.events.StreamEnded) and e.stream_id == watch
                        for e in events)
+
+
+def settings_received(evs: list) -> bool:
+    return any(isinstance(e, h2.events.RemoteSettingsChanged) for e in evs)
+
+
+def open_watches(peer: Peer, n: int) -> list[int]:
+    """``n`` health Watch streams, each with its first message: open until the peer goes."""
+    return [message_stream(peer, WATCH) for _ in range(n)]
+
+
+def message_stream(peer: Peer, path: str) -> int:
+    """A ``path`` stream with an empty message and the client's half-close."""
+    sid = peer.headers(path)
+    peer.h2.send_data(sid, EMPTY_MESSAGE, end_stream=True)
+    peer.flush()
+    return sid
+
+
+def check_answered(peer: Peer, timeout: float = 60.0) -> None:
+    """A health check on the attacker's own connection, answered after everything it sent
+    before (a connection's frames are read in order): the attack's work is done."""
+    sid = message_stream(peer, CHECK)
+    events = peer.events(lambda evs: grpc_status(evs, sid) is not None, timeout=timeout)
+    assert grpc_status(events, sid) == 0
+
+
+def test_a_settings_flood_over_open_streams_is_cheap(router):
+    """SETTINGS frames full of SETTINGS_INITIAL_WINDOW_SIZE entries (2,730 in a 16 KB frame)
+    over 900 open streams. Each entry changes every open stream's window: kept one by one,
+    that was a pass over the streams an entry (2 s of CPU for one frame over 16,384
+    streams); kept relative to the initial window it is one assignment."""
+    with attack(router) as peer:
+        peer.events(settings_received)
+        open_watches(peer, 900)
+        entries = ((0x4).to_bytes(2, "big") + (65535).to_bytes(4, "big")) * 2730
+        peer.sock.sendall(frame(http2.SETTINGS, 0, 0, entries) * 40)
+        check_answered(peer)
+
+
+def test_connection_window_updates_wake_only_streams_that_can_send(router):
+    """900 health checks whose answers wait for stream window the peer never gives (its
+    SETTINGS_INITIAL_WINDOW_SIZE is 0), then 20,000 connection WINDOW_UPDATEs of a byte
+    each. Each update walked every waiting stream (18 million tries to send nothing); now
+    it wakes only the streams waiting for the connection's window, and stops once that is
+    spent."""
+    with attack(router) as peer:
+        peer.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+        peer.flush()
+        peer.events(lambda evs: any(isinstance(e, h2.events.SettingsAcknowledged)
+                                    for e in evs))
+        sids = {message_stream(peer, CHECK) for _ in range(900)}
+        answered: set[int] = set()
+
+        def headers_back(evs: list) -> bool:
+            answered.update(e.stream_id for e in evs if isinstance(e, h2.events.ResponseReceived))
+            return answered >= sids
+
+        peer.events(headers_back)  # each answer's headers; its message waits for window
+        peer.sock.sendall(frame(http2.WINDOW_UPDATE, 0, 0, (1).to_bytes(4, "big")) * 20_000)
+        peer.h2.ping(b"after-it")
+        peer.flush()
+        events = peer.events(lambda evs: any(isinstance(e, h2.events.PingAckReceived)
+                                             for e in evs), timeout=60)
+        assert not any(isinstance(e, h2.events.DataReceived) for e in events)
+
+
+def test_streams_reset_before_their_first_message_end_the_connection(router):
+    """HTTP/2 rapid reset (CVE-2023-44487): streams opened and reset at once, which never
+    count against serving.max_streams, each cost the router a call's setup. Past 100
+    streams reset before their first message, at least half of a connection's streams,
+    the connection ends with GOAWAY ENHANCE_YOUR_CALM (Envoy writes an ext_proc stream's
+    first message as it opens it, and resets streams only after). Another connection's
+    stream is untouched."""
+    other = Peer(router)
+    try:
+        other.events(settings_received)
+        (watch,) = open_watches(other, 1)
+        other.events(lambda evs: any(isinstance(e, h2.events.DataReceived)
+                                     and e.stream_id == watch for e in evs))
+        with attack(router) as peer:
+            peer.events(settings_received)
+            with contextlib.suppress(OSError):  # the router may close before all is sent
+                for _ in range(5000):
+                    peer.h2.reset_stream(peer.headers(PROCESS))
+                    peer.flush()
+            events = peer.events(lambda evs: any(
+                isinstance(e, h2.events.ConnectionTerminated) or e == "eof" for e in evs))
+            terminated = [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
+            assert terminated and terminated[0].error_code == http2.ENHANCE_YOUR_CALM
+            # Cut off at the 100th (the GOAWAY names the last stream of the read it was in).
+            assert terminated[0].additional_data.startswith(
+                b"100 streams reset before their first message")
+        other.h2.ping(b"still-up")
+        other.flush()
+        events = other.events(lambda evs: any(isinstance(e, h2.events.PingAckReceived)
+                                              for e in evs))
+        assert not any(isinstance(e, h2.events.ConnectionTerminated | h2.events.StreamEnded
+                                  | h2.events.StreamReset) for e in events)
+    finally:
+        other.close()

@@ -224,3 +224,54 @@ def test_a_message_in_small_frames_is_held_at_about_its_bytes():
     assert call.messages == []
     conn.data_received(frame(http2.DATA, http2.END_STREAM, 1, wire[len(wire) - 1:]))
     assert call.messages == [msg] and type(call.messages[0]) is bytes and call.half_closed
+
+
+def test_streams_reset_before_their_first_message_end_the_connection_past_a_bound():
+    """Envoy's way, a stream opened with its first message and reset once its request is
+    done, never ends a connection, however many; streams reset before their first message
+    (HTTP/2 rapid reset) do past PREMATURE_RESETS, when they are at least half of the
+    connection's: a GOAWAY ENHANCE_YOUR_CALM, the connection's calls cancelled."""
+    from narwhal.server.grpc_server import PREMATURE_RESETS
+
+    async def run() -> None:
+        conn, t, peer, calls = one_call()
+        message = b"\x00\x00\x00\x00\x02hi"
+
+        def open_stream(first_message: bool) -> int:
+            sid = peer.get_next_available_stream_id()
+            peer.send_headers(sid, [(":method", "POST"), (":scheme", "http"),
+                                    (":authority", "x"), (":path", "/svc/M"),
+                                    ("content-type", "application/grpc")])
+            if first_message:
+                peer.send_data(sid, message)
+            conn.data_received(peer.data_to_send())
+            return sid
+
+        def reset(sid: int) -> None:
+            peer.reset_stream(sid)
+            conn.data_received(peer.data_to_send())
+
+        def goaway() -> list:
+            return [e for e in peer.receive_data(t.written)
+                    if isinstance(e, h2.events.ConnectionTerminated)]
+
+        for _ in range(3 * PREMATURE_RESETS):
+            reset(open_stream(first_message=True))
+        for _ in range(PREMATURE_RESETS - 1):
+            reset(open_stream(first_message=False))
+        assert not goaway() and conn.linger is None
+        assert all(c.cancelled for c in calls[1:]) and calls[1].messages == [b"hi"]
+        held = open_stream(first_message=True)
+        reset(open_stream(first_message=False))  # the 100th, but a quarter of 401 streams
+        assert not goaway() and conn.linger is None
+        while conn.linger is None:  # premature resets until they are half of the streams
+            reset(open_stream(first_message=False))
+        (ended,) = goaway()
+        assert ended.error_code == http2.ENHANCE_YOUR_CALM
+        assert (conn.premature, conn.opened) == (302, 604)  # half, stream 1 and 301 more
+        (held_call,) = [c for c in calls if c.stream.id == held]
+        assert calls[0].cancelled and held_call.cancelled  # open calls end with it
+        assert held_call.messages == [b"hi"]
+        conn.connection_lost(None)
+
+    asyncio.run(run())

@@ -167,9 +167,18 @@ def test_http2_connection_never_raises(frame_list, cuts):
         for ev in conn.receive(part):
             assert isinstance(ev, http2.RequestReceived | http2.DataReceived | http2.StreamReset
                               | http2.WindowUpdated | http2.ConnectionTerminated)
+            if isinstance(ev, http2.WindowUpdated) and ev.stream_id:
+                assert conn.send_window(ev.stream_id) > 0 or conn.conn_send_window <= 0
         if conn.closed:
             assert conn.receive(b"\x00" * 9) == []
-    assert len(conn.send_windows) <= conn.max_streams
+        while (sid := conn.woken()) is not None:
+            assert sid in conn.send_credit
+        for sid in list(conn.send_credit):  # every stream has more to send than windows allow
+            conn.send_data(sid, b"x" * 70_000)
+        waiting = set(conn.wanting_connection) | set(conn.wanting_own)
+        assert waiting <= set(conn.send_credit)
+        assert not set(conn.wanting_connection) & set(conn.wanting_own)
+    assert len(conn.send_credit) <= conn.max_streams
     assert conn.conn_recv_window <= conn.window
 
 

@@ -49,6 +49,7 @@ WRITE_HIGH = 4 * 1024 * 1024  # the socket's send buffer above which nothing mor
 # before the socket closes: closing with input unread makes the kernel send a reset, which
 # can reach the peer before the GOAWAY and destroy it (nginx's lingering close, bounded).
 LINGER_S = 1.0
+PREMATURE_RESETS = 100  # streams reset before their first message: see ``_reset``
 PREFACE_TIMEOUT_S = 10.0  # a connection must speak HTTP/2 within this
 
 
@@ -103,9 +104,8 @@ class Stream:
             if sent == len(frame):
                 return
             frame = frame[sent:]
-        self.pending.append(frame)
+        self.pending.append(frame)  # the HTTP/2 connection wakes the stream for it
         self.pending_size += len(frame)
-        self.conn.blocked.add(self.id)
 
     def decode(self, kind: type[M], data: bytes) -> M | None:
         """``data`` as a ``kind`` message, or None with the call ended INVALID_ARGUMENT: a
@@ -164,7 +164,8 @@ class GrpcConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.http2 = http2.ServerConnection()
         self.streams: dict[int, Stream] = {}
-        self.blocked: set[int] = set()
+        self.opened = 0  # streams the peer opened on this connection
+        self.premature = 0  # of them, reset by the peer before a message or half-close
         self.flush_scheduled = False
         self.tick_timer: asyncio.TimerHandle | None = None
         self.write_paused = False  # our send buffer to this peer is full
@@ -239,7 +240,8 @@ class GrpcConnection(asyncio.Protocol):
             elif cls is http2.RequestReceived:
                 self._request(ev)
             elif cls is http2.StreamReset:
-                self._cancel(ev.stream_id)
+                if self._reset(ev.stream_id):
+                    return
             elif cls is http2.WindowUpdated:
                 self._unblock(ev.stream_id)
             elif cls is http2.ConnectionTerminated:
@@ -277,6 +279,7 @@ class GrpcConnection(asyncio.Protocol):
         headers = dict(ev.headers)
         st = Stream(self, ev.stream_id)
         self.streams[ev.stream_id] = st
+        self.opened += 1
         budget = self.budget
         if budget is not None:
             budget.open += 1
@@ -390,9 +393,30 @@ class GrpcConnection(asyncio.Protocol):
         objects, 16-20 us a request of collections in process)."""
         if self.streams.pop(st.id, None) is not None and self.budget is not None:
             self.budget.open -= 1
-        self.blocked.discard(st.id)
         self._release(st)
         st.call = None
+
+    def _reset(self, stream_id: int) -> bool:
+        """The peer reset a stream: its call is cancelled. HTTP/2 "rapid reset"
+        (CVE-2023-44487) is streams opened and reset at once: none counts against
+        ``serving.max_streams``, each costs a call's setup. Envoy writes a call's first
+        message as it opens the stream and resets streams only after, so past
+        ``PREMATURE_RESETS`` streams reset before their first message (or half-close),
+        at least half of those the peer opened, the connection ends with GOAWAY
+        ENHANCE_YOUR_CALM; True if it did."""
+        st = self.streams.get(stream_id)
+        if st is not None and st.idle_ticks >= 0:
+            self.premature += 1
+            if self.premature >= PREMATURE_RESETS and 2 * self.premature >= self.opened:
+                self.http2.close(http2.ENHANCE_YOUR_CALM,
+                                 f"{self.premature} streams reset before their first message")
+                self._write()
+                log.warning("closing HTTP/2 connection: %d of %d streams reset before "
+                            "their first message", self.premature, self.opened)
+                self._linger()
+                return True
+        self._cancel(stream_id)
+        return False
 
     def _cancel_all(self) -> None:
         for stream_id in list(self.streams):
@@ -420,11 +444,9 @@ class GrpcConnection(asyncio.Protocol):
             sent = self.http2.send_data(st.id, piece)
             st.pending_size -= sent
             if sent < len(piece):
-                pending[0] = piece[sent:]
-                self.blocked.add(st.id)
+                pending[0] = piece[sent:]  # the HTTP/2 connection wakes the stream for it
                 return
             pending.popleft()
-        self.blocked.discard(st.id)
         if st.closed:
             self.http2.send_headers(st.id, st.trailers, end_stream=True)
             self.drop(st)
@@ -432,9 +454,17 @@ class GrpcConnection(asyncio.Protocol):
             self._deliver(st)
 
     def _unblock(self, stream_id: int) -> None:
-        for sid in list(self.blocked) if stream_id == 0 else [stream_id]:
+        """A stream's window grew (``stream_id``), or the connection's (0): the streams
+        that waited for it send, only while it lasts."""
+        if stream_id:
+            st = self.streams.get(stream_id)
+            if st is not None:
+                self.flush(st)
+            return
+        woken = self.http2.woken
+        while (sid := woken()) is not None:
             st = self.streams.get(sid)
-            if st is not None and sid in self.blocked:
+            if st is not None:
                 self.flush(st)
 
     def _write(self) -> None:
