@@ -267,23 +267,28 @@ class ServerConnection:
     def send_data(self, stream_id: int, data: bytes) -> int:
         """Send as much of ``data`` as windows allow; return how many bytes went. A stream
         that sent less than all waits for the window it lacks (``WindowUpdated``)."""
-        window = self.send_window(stream_id)
-        n = min(window, len(data))
-        if n < len(data):
-            self._stopped(stream_id, max(n, 0))
-        if n <= 0:
+        credit = self.send_credit.get(stream_id)
+        if credit is None:
             return 0
+        n = len(data)
+        window = self.peer_initial_window + credit  # ``send_window``, inline: every event
+        if self.conn_send_window < window:
+            window = self.conn_send_window
+        if window < n:
+            n = window if window > 0 else 0
+            self._stopped(stream_id, n)
+            if not n:
+                return 0
+            data = data[:n]
         size = self.peer_max_frame
         out = self.out
         if n <= size:  # ``_frame(DATA, 0, ...)`` written out: it runs for every token event
-            out.append(_FRAME_HEAD.pack(n << 8 | DATA, 0, stream_id)
-                       + (data if n == len(data) else data[:n]))
+            out.append(_FRAME_HEAD.pack(n << 8 | DATA, 0, stream_id) + data)
         else:
             for i in range(0, n, size):
-                piece = data[i:min(i + size, n)]
-                out.append(_frame(DATA, 0, stream_id, piece))
+                out.append(_frame(DATA, 0, stream_id, data[i:i + size]))
         self.conn_send_window -= n
-        self.send_credit[stream_id] -= n
+        self.send_credit[stream_id] = credit - n
         return n
 
     def _stopped(self, stream_id: int, sending: int) -> None:
