@@ -326,3 +326,26 @@ def test_a_forgotten_stream_is_woken_by_nothing():
     s_events, _ = pump(client, server)
     assert [e.stream_id for e in s_events if isinstance(e, http2.WindowUpdated)] == [3]
     assert not server.wanting_own and not server.wanting_connection
+
+
+def test_a_window_update_of_zero_is_an_error_of_the_window_it_names():
+    """RFC 9113 6.9: on a stream, that stream is reset PROTOCOL_ERROR; on the connection,
+    the connection ends."""
+    client, server = pair()
+    pump(client, server)
+    client.send_headers(1, REQUEST)
+    client.send_headers(3, REQUEST)
+    pump(client, server)
+    events = server.receive(http2._frame(http2.WINDOW_UPDATE, 0, 1, bytes(4)))
+    assert [type(e) for e in events] == [http2.StreamReset] and events[0].stream_id == 1
+    assert server.send_window(1) == 0 and server.send_window(3) > 0
+    (ended,) = server.receive(http2._frame(http2.WINDOW_UPDATE, 0, 0, bytes(4)))
+    assert isinstance(ended, http2.ConnectionTerminated) and ended.code == http2.PROTOCOL_ERROR
+
+
+def test_settings_enable_push_past_one_ends_the_connection():
+    client, server = pair()
+    pump(client, server)
+    (ended,) = server.receive(http2._frame(http2.SETTINGS, 0, 0, (2).to_bytes(2, "big")
+                                           + (2).to_bytes(4, "big")))
+    assert isinstance(ended, http2.ConnectionTerminated) and ended.code == http2.PROTOCOL_ERROR

@@ -495,6 +495,13 @@ class ServerConnection:
         if len(payload) != 4:
             raise ConnectionError_(FRAME_SIZE_ERROR, "bad WINDOW_UPDATE")
         inc = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        if not inc:  # RFC 9113 6.9: an error of the window it names
+            if sid == 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+            if sid in self.send_credit:
+                self.reset(sid, PROTOCOL_ERROR)
+                events.append(StreamReset(sid))
+            return
         if sid == 0:
             self.conn_send_window += inc
             if self.conn_send_window > MAX_WINDOW:
@@ -526,6 +533,8 @@ class ServerConnection:
             value = int.from_bytes(payload[i + 2:i + 6], "big")
             if key == 0x1:
                 self.encoder.resize(value)
+            elif key == 0x2 and value > 1:
+                raise ConnectionError_(PROTOCOL_ERROR, "bad SETTINGS_ENABLE_PUSH")
             elif key == 0x4:
                 if value > MAX_WINDOW:
                     raise ConnectionError_(FLOW_CONTROL_ERROR, "initial window too large")
