@@ -143,6 +143,53 @@ def test_least_work_order_serves_the_cheaper_request_first(least_work_stack):
     assert done == [cheap, expensive]
 
 
+@pytest.fixture(scope="module")
+def objectives_stack():
+    yield from _stack([SimSpec("slow", args=["--tpot-ms", "10"])],
+                      {"admission": {"mode": "open", "queue_limit": 4,
+                                     "objectives": {"interactive": 10, "batch": -1}},
+                       "scheduler": SERIAL})
+
+
+def test_a_higher_priority_objective_takes_the_freed_slot_first(objectives_stack):
+    """admission.objectives: behind a running request, a request without an objective
+    queues, then one naming the "interactive" objective (priority 10, by the Inference
+    Extension's header); the interactive one takes the freed slot and completes first."""
+    st = objectives_stack
+    first = background(st, {"max_tokens": 80})  # ~0.8 s
+    wait_for(st, lambda s: s["engines"][0]["in_flight"] == 1)
+    usual = background(st, {"max_tokens": 3})
+    wait_for(st, lambda s: s["requests"]["queued"] == 1)
+    urgent = background(st, {"max_tokens": 3}, {"x-gateway-inference-objective": "interactive"})
+    wait_for(st, lambda s: s["requests"]["queued"] == 2)
+    assert first.result().status_code == 200
+    done = list(concurrent.futures.as_completed([usual, urgent]))
+    assert [f.result().status_code for f in done] == [200, 200]
+    assert done == [urgent, usual]
+
+
+def test_a_sheddable_objective_is_refused_rather_than_queued(objectives_stack):
+    """A negative priority (llm-d's header here) is served when a slot is free and
+    refused 429 ``request_shed`` when it would queue, counted a capacity rejection; the
+    OpenAI client's own retry, a second later, finds the slot free."""
+    st = objectives_stack
+    batch = {"x-llm-d-inference-objective": "batch"}
+    assert post(st, {"max_tokens": 2}, batch).status_code == 200
+    before = status(st)["requests"]["terminal"]["rejected"]
+    first = background(st, {"max_tokens": 20})  # ~0.2 s
+    wait_for(st, lambda s: s["engines"][0]["in_flight"] == 1)
+    resp = post(st, {"max_tokens": 2}, batch)
+    assert envelope(resp, 429)["code"] == "request_shed"
+    assert resp.headers["retry-after"] == "1"
+    assert status(st)["requests"]["queued"] == 0
+    client = openai.OpenAI(base_url=f"{st.url}/v1", api_key="x", max_retries=2)
+    answer = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2,
+                                            extra_headers=batch)
+    assert answer.usage.completion_tokens == 2
+    assert first.result().status_code == 200
+    assert status(st)["requests"]["terminal"]["rejected"] >= before + 1
+
+
 def test_a_large_queued_body_goes_upstream_as_it_would_unqueued(least_work_stack):
     """A body over 16 KiB waits in the queue as the client's bytes and is parsed again to
     go: the engine gets the same request as when it is sent at once (the same prompt

@@ -66,6 +66,11 @@ def test_defaults():
     ({"telemetry": {"admin_port": 70000}}, "not a port"),
     ({"telemetry": {"drift_threshold": 1}}, "telemetry.drift_threshold: a relative error"),
     ({"admission": {"queue_limit": True}}, "expected an integer"),
+    ({"admission": {"objectives": ["batch"]}}, "admission.objectives: expected a mapping"),
+    ({"admission": {"objectives": {"batch": "low"}}},
+     "admission.objectives.batch: expected an integer in [-1000, 1000]"),
+    ({"admission": {"objectives": {"batch": -1001}}}, "admission.objectives.batch: expected"),
+    ({"admission": {"objectives": {"batch": True}}}, "admission.objectives.batch: expected"),
     ({"serving": {"extproc_socket": "narwhal.sock"}}, "serving.extproc_socket: expected an absolute"),
     ({"serving": {"extproc_socket": "/" + "x" * 120}}, "under 108 bytes"),
     ({"serving": {"extproc_socket": 9002}}, "serving.extproc_socket: expected an absolute"),
@@ -139,3 +144,9 @@ def test_ttft_target_within_its_maximum():
     with pytest.raises(ConfigError, match="max_ttft_target_ms"):
         parse({"admission": {"ttft_target_ms": 70_000}})
     assert parse({"admission": {"ttft_target_ms": 70_000, "max_ttft_target_ms": 70_000}})
+
+
+def test_objective_priorities_may_be_negative():
+    cfg = parse({"admission": {"objectives": {"interactive": 10, "batch-sheddable": -1}}})
+    assert cfg.admission.objectives == {"interactive": 10, "batch-sheddable": -1}
+    assert parse({}).admission.objectives == {}

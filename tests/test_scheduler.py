@@ -535,6 +535,20 @@ def both_slots_taken(**admission) -> tuple[Router, Clock, list[Ticket]]:
     return router, clock, running
 
 
+def served_in_turn(router: Router, clock: Clock, running: list[Ticket], labels: dict,
+                   turns: int) -> list:
+    """Each 0.5 s the oldest running request's first token frees its slot and the queue is
+    pumped: the labels (by ticket id) of the requests dispatched, in turn."""
+    out = []
+    for _ in range(turns):
+        clock.t += 0.5
+        router.scheduler.first_token(running.pop(0), clock.t)
+        pumped = router.scheduler.pump(clock.t)
+        out += [labels[id(p)] for p in pumped]
+        running += pumped
+    return out
+
+
 def test_prefill_token_bound_takes_a_prompt_only_where_it_fits_with_those_ahead():
     # 500 uncached prompt tokens in prefill an engine, 8 slots. A 900-token prompt, over
     # the bound alone, still goes where nothing prefills (fast); a 400-token one then fits
@@ -624,14 +638,7 @@ def test_least_work_order_gives_a_freed_slot_to_the_request_with_the_least_work(
             t.predicted_output = output
             assert isinstance(s.admit(t, clock.t), Queued)
             work[id(t)] = tokens + 4 * output
-        out = []
-        for _ in range(3):
-            clock.t += 0.5
-            s.first_token(running.pop(0), clock.t)
-            pumped = s.pump(clock.t)
-            out += [work[id(p)] for p in pumped]
-            running += pumped
-        assert out == served
+        assert served_in_turn(router, clock, running, work, 3) == served
 
 
 def test_least_work_order_charges_a_joining_request_the_wait_behind_less_work():
@@ -869,3 +876,86 @@ def test_the_step_model_follows_the_engine_through_the_exchange():
     assert t.engine is fast and t.steps_s > 0
     assert t.steps_s == pytest.approx(t.prefill.projected[BUDGETS.index(steps.budget)])
     assert steps.summary()["following"] == MIN_STEPS + 1  # no first tokens for these yet
+
+
+def prioritized(router: Router, tokens: int, priority: int, output: int = 0) -> Ticket:
+    t = ticket(router, tokens, budget_s=60)
+    t.priority, t.predicted_output = priority, output
+    return t
+
+
+def test_a_higher_priority_takes_freed_slots_first_in_the_queue_order_among_equals():
+    """admission.objectives' priorities: queued requests of a higher priority leave the
+    queue before any of a lower, in the configured order among themselves (arrival, or
+    the least work)."""
+    for order, served in (("fifo", ["high-1", "high-2", "low-1", "low-2"]),
+                          ("least-work", ["high-2", "high-1", "low-2", "low-1"])):
+        router, clock, running = both_slots_taken(queue_order=order)
+        s = router.scheduler
+        names = {}
+        # (name, priority, predicted output): the second of each priority the least work
+        for name, priority, output in (("low-1", 0, 300), ("high-1", 5, 300),
+                                       ("low-2", 0, 10), ("high-2", 5, 10)):
+            t = prioritized(router, 10, priority, output)
+            assert isinstance(s.admit(t, clock.t), Queued)
+            names[id(t)] = name
+        assert served_in_turn(router, clock, running, names, 4) == served
+        assert s.prioritized == 0
+
+
+def test_a_joining_request_is_charged_the_wait_behind_its_priority_and_above():
+    """The queue drains one request per 0.5 s and holds four of priority 0: a request of
+    priority 0 joining it waits behind all four (2 s), one of priority 1 behind none, and
+    the queued tokens ahead of it are those of its priority and above."""
+    router, clock, running = both_slots_taken()
+    s = router.scheduler
+    for _ in range(14):
+        assert isinstance(s.admit(prioritized(router, 10, 0), clock.t), Queued)
+    for _ in range(10):
+        clock.t += 0.5
+        s.first_token(running.pop(0), clock.t)
+        running += s.pump(clock.t)
+    assert len(s.queue) == 4
+    assert s.queue_wait_s(clock.t, prioritized(router, 10, 0)) == pytest.approx(2.0)
+    assert s.queue_wait_s(clock.t, prioritized(router, 10, 1)) == 0.0
+    usual, urgent = prioritized(router, 10, 0), prioritized(router, 10, 1)
+    assert isinstance(s.admit(urgent, clock.t), Queued) and s.prioritized == 1
+    s.admit(usual, clock.t)
+    # the same projection but for the queue's 2 s (and the urgent one, 0.5 s, now ahead)
+    assert usual.predicted_ttft_s - urgent.predicted_ttft_s == pytest.approx(2.5, abs=0.05)
+    s.dequeue(usual)
+    assert s.queue_wait_s(clock.t, prioritized(router, 10, 1)) == pytest.approx(0.5)
+    assert s.queue_wait_s(clock.t, prioritized(router, 10, 0)) == pytest.approx(2.5)
+    assert s.queue_wait_s(clock.t, prioritized(router, 10, 2)) == 0.0
+    clock.t += 0.5
+    for e in router.engines:
+        e.telemetry_at = clock.t  # still reporting
+    s.first_token(running.pop(0), clock.t)
+    assert s.pump(clock.t) == [urgent] and s.prioritized == 0
+
+
+def test_a_sheddable_request_is_served_at_once_or_refused_not_queued():
+    """A negative priority is sheddable: placed where a slot is free, else refused 429
+    ``request_shed`` (a capacity rejection, Retry-After 1) while others queue."""
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1})
+    s = router.scheduler
+    assert isinstance(s.admit(prioritized(router, 10, -1), clock.t), Dispatch)
+    assert isinstance(s.admit(prioritized(router, 10, -1), clock.t), Dispatch)
+    shed = s.admit(prioritized(router, 10, -1), clock.t)
+    assert isinstance(shed, Refuse) and shed.error.code == "request_shed"
+    assert shed.error.status == 429 and shed.error.terminal == "rejected"
+    assert dict(shed.error.headers())["retry-after"] == "1"
+    assert isinstance(s.admit(prioritized(router, 10, 0), clock.t), Queued)
+    assert not any(t.priority < 0 for t in s.queue)
+
+
+def test_a_request_names_its_objective_by_either_header():
+    router, clock, _ = make_router(admission={"objectives": {"interactive": 10,
+                                                             "batch": -1}})
+    for headers, priority in (({"x-gateway-inference-objective": "interactive"}, 10),
+                              ({"x-llm-d-inference-objective": "batch"}, -1),
+                              ({"x-gateway-inference-objective": "unknown"}, 0), ({}, 0)):
+        ex, sent = start(router, 10, headers)
+        assert ex.ticket is not None and ex.ticket.priority == priority, headers
+        assert isinstance(sent[0], Headers)
+        close(router, ex)

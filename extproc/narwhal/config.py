@@ -78,6 +78,12 @@ class Admission:
     # admission and placement hold it to: below 1 the queue stays shorter and the tail
     # with it, at some goodput (README, "A target below the SLO"). In (0, 1].
     ttft_target_share: float = 1.0
+    # Priorities by InferenceObjective name (the Inference Extension's): a request naming
+    # one here (x-gateway-inference-objective, or llm-d's x-llm-d-inference-objective)
+    # has its priority, any other 0. Queued requests of a higher priority take freed slots
+    # first; a negative priority is sheddable: refused rather than queued (README,
+    # "Priorities"). Integers in [-1000, 1000].
+    objectives: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,6 +372,13 @@ def _check(hint: Any, value: Any, key: str) -> Any:
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
             raise ConfigError(f"{key}: expected a list of names, got {value!r}")
         return tuple(value)
+    if hint == dict[str, int]:  # objective priorities: negative ones are meant
+        if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
+            raise ConfigError(f"{key}: expected a mapping of name to priority, got {value!r}")
+        for k, v in value.items():
+            if not isinstance(v, int) or isinstance(v, bool) or not -1000 <= v <= 1000:
+                raise ConfigError(f"{key}.{k}: expected an integer in [-1000, 1000], got {v!r}")
+        return dict(value)
     if hint == dict[str, float]:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of name to weight, got {value!r}")

@@ -156,6 +156,13 @@ def queue_wait_over_limit(wait_s: float, limit_s: float) -> HttpError:
         retry_after=max(1, round(overrun)), retry_after_ms=_return_ms(overrun))
 
 
+def request_shed(priority: int) -> HttpError:
+    return HttpError(
+        429, f"No engine can take the request now and its objective is sheddable (priority "
+        f"{priority}): it is not queued; retry later", "rate_limit_error", REJECTED,
+        code="request_shed", retry_after=1)
+
+
 def queue_full() -> HttpError:
     return HttpError(429, "Admission queue is full; retry", "rate_limit_error", REJECTED,
                      code="queue_full", retry_after=1)

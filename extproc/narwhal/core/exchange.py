@@ -39,6 +39,9 @@ TPOT_HEADER = "x-slo-tpot-ms"  # llm-d's name
 PREDICTED_OUTPUT_HEADER = "x-narwhal-predicted-output-tokens"
 PREDICTED_CACHED_HEADER = "x-narwhal-predicted-cached-tokens"  # of the prompt, on its engine
 TIMEOUT_HEADER = "x-request-timeout-ms"
+# An InferenceObjective's name (the Inference Extension's header, and llm-d's): its
+# priority is admission.objectives'.
+OBJECTIVE_HEADERS = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
 PREDICTED_HEADER = "x-narwhal-predicted-ttft-ms"
 # The Inference Extension conformance suite's test picker: a header naming the allowed
 # endpoints, and the served endpoint echoed back (router.conformance_hooks only).
@@ -138,8 +141,8 @@ class Exchange:
     __slots__ = ("router", "phase", "completion", "path", "buf", "request", "engine", "meter",
                  "relay", "assembler", "parser", "status", "terminal", "sized", "upstream_error",
                  "request_ended", "request_bytes", "response_bytes", "held", "arrival",
-                 "deadline", "budget_s", "tpot_budget_s", "ticket", "wake_at", "client_headers_sent",
-                 "last_token_at", "strip", "engine_seen", "request_id", "candidates",
+                 "deadline", "budget_s", "tpot_budget_s", "priority", "ticket", "wake_at",
+                 "client_headers_sent", "last_token_at", "strip", "engine_seen", "request_id", "candidates",
                  "decided_at", "ended_at", "error_code", "trace_headers", "recorded",
                  "token_id_fault", "reply", "parked", "held_bytes", "response_held",
                  "trailers_after", "request_pieces", "response_credit")
@@ -174,6 +177,7 @@ class Exchange:
         self.deadline = 0.0
         self.budget_s = 0.0
         self.tpot_budget_s: float | None = None
+        self.priority = 0  # its objective's (admission.objectives)
         self.ticket: Ticket | None = None
         self.wake_at: float | None = None  # when ``expire`` must run (the adapter's timer)
         self.client_headers_sent = False
@@ -248,6 +252,9 @@ class Exchange:
         # share of it (a shorter queue, a shorter tail).
         self.budget_s = budget_ms * adm.ttft_target_share / 1000
         self.tpot_budget_s = tpot_ms / 1000 if tpot_ms else None
+        if adm.objectives:
+            objective = next((headers[k] for k in OBJECTIVE_HEADERS if k in headers), "")
+            self.priority = adm.objectives.get(objective, 0)
         self.deadline = now + timeout_ms / 1000
         self._arm(min(self.deadline, self._body_end()))
         self.phase = Phase.REQUEST_BODY
@@ -355,7 +362,8 @@ class Exchange:
         assert req is not None
         now = self.router.clock()
         self.ticket = Ticket(self, m.tokens, self.arrival, self.budget_s, self.deadline,
-                             candidates=self.candidates, tpot_budget_s=self.tpot_budget_s)
+                             candidates=self.candidates, tpot_budget_s=self.tpot_budget_s,
+                             priority=self.priority)
         self.router.scheduler.annotate(self.ticket, req.chat, req.body, req.max_tokens,
                                        m.prompt)
         if not self._take(self.ticket.held()):  # its prompt's hashes, held to its end

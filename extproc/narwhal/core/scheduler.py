@@ -94,6 +94,9 @@ class Ticket:
     failover: bool = False  # served by a fallback: its TTFT is no sample of either engine
     # Set when the queue gives the request up: no engine can meet its budget any more.
     refusal: HttpError | None = None
+    # Its objective's (``admission.objectives``): queued, a higher one goes first; a
+    # negative one is shed rather than queued.
+    priority: int = 0
 
     def held(self) -> int:
         """About the bytes its prompt's hashes hold (``BLOCK_HELD``)."""
@@ -138,6 +141,7 @@ class Scheduler:
         self.tokenizer: Any = None  # sizing.tokenizer's, for the prefix index (router sets)
         self.prompt_ids: PromptIds | None = None  # with KV events: exact prompt IDs
         self.queued_tokens = 0
+        self.prioritized = 0  # queued tickets with a priority other than 0
         # When recent requests left the queue since it last formed: its measured drain
         # rate (a queue emptied by dispatch or by clients leaving alike). Charging the
         # queue at prefill speed alone misses the engines' own limits (a full decode
@@ -184,10 +188,13 @@ class Scheduler:
         # Queued work (if any) goes to the engines in proportion to their speed (the
         # rates only then: they are a walk of the pool's models per request).
         shares = [0.0] * len(engines)
-        if self.queued_tokens:
+        queued = self.queued_tokens
+        if queued and (self.prioritized or t.priority):  # only what it will not overtake
+            queued = sum(q.tokens for q in self.queue if q.priority >= t.priority)
+        if queued:
             rates = [min(1e9, e.model.learned_prefill_tps) for e in engines]
             total = sum(rates)
-            shares = [self.queued_tokens * r / total for r in rates]
+            shares = [queued * r / total for r in rates]
         projections = [project(e, t, share, now)
                        for e, share in zip(engines, shares, strict=True)]
         cands = projections
@@ -232,6 +239,8 @@ class Scheduler:
             engine = self._beside_queue(t, now, predictive)
         if engine is not None:
             return Dispatch(engine)
+        if t.priority < 0:  # sheddable: served now or not at all
+            return Refuse(errors.request_shed(t.priority))
         if len(self.queue) >= adm.queue_limit:
             return Refuse(errors.queue_full())
         max_wait_s = adm.max_wait_ms / 1000
@@ -244,6 +253,8 @@ class Scheduler:
             self.drained.clear()  # a new queue: its rate is its own
         t.queued_at = now
         self.queue.append(t)
+        if t.priority:
+            self.prioritized += 1
         self.unclaimed.difference_update(id(e) for e in engines)  # until a pump says
         self.queued_tokens += t.tokens
         return Queued()
@@ -276,7 +287,11 @@ class Scheduler:
         if not self.queue or len(d) < DRAIN_MIN:
             return 0.0
         ahead = len(self.queue)
-        if t is not None and self.least_work:
+        if t is not None and (self.prioritized or t.priority):  # a lower priority is not ahead
+            least_work = self.least_work
+            ahead = sum(1 for q in self.queue if q.priority > t.priority or (
+                q.priority == t.priority and (not least_work or q.work_order <= t.work_order)))
+        elif t is not None and self.least_work:
             ahead = sum(1 for q in self.queue if q.work_order <= t.work_order)
         return ahead * (d[-1] - d[0]) / (len(d) - 1)
 
@@ -362,9 +377,13 @@ class Scheduler:
         they are given, so how many requests they finish a second is set by what each
         costs them (its prefill, and a sequence held as long as it decodes); served
         cheapest first, the same engines finish more requests within their budgets
-        (docs/measurements.md, "Twenty-sixth session")."""
+        (docs/measurements.md, "Twenty-sixth session"). Queued requests of a higher
+        priority (``admission.objectives``) come before any of a lower, in that order
+        among themselves."""
         if self.least_work:
-            return sorted(self.queue, key=_work_order)
+            return sorted(self.queue, key=_ranked_work if self.prioritized else _work_order)
+        if self.prioritized:
+            return sorted(self.queue, key=_priority_first)  # stable: FIFO within one
         return list(self.queue)
 
     def pump(self, now: float, if_slot_free: bool = False) -> list[Ticket]:
@@ -458,6 +477,8 @@ class Scheduler:
         if t.queued_at is not None:
             self.queue.remove(t)
             self.queued_tokens -= t.tokens
+            if t.priority:
+                self.prioritized -= 1
             t.queued_at = None
 
     # -- slots -----------------------------------------------------------------------
@@ -497,6 +518,14 @@ class Scheduler:
             e.prefix.insert(blocks[::-1])
         if e.retired and e.in_flight == 0:
             self.pool.sweep()
+
+
+def _priority_first(t: Ticket) -> int:
+    return -t.priority
+
+
+def _ranked_work(t: Ticket) -> tuple[int, float]:
+    return -t.priority, t.work_order
 
 
 def _work_order(t: Ticket) -> float:
