@@ -6,8 +6,10 @@ each behind its own Envoy + Narwhal. Over the tiny model, started once per test 
 * ``kv``: prefix caching on, publishing its KV-cache events
 
 and over the small model, where an engine's prefill must take long enough to be seen
-(~1 ms a prompt token), started for their module only: ``small`` (``small_pair``) for
-the admission tests that need a backlog held on the engine, and two publishing KV
+(~1 ms a prompt token), started for their module only: ``small`` (``small_server``,
+behind ``small_pair`` and ``objectives_pair``) for the admission tests that need a
+backlog held on the engine (or a request held long enough to queue others behind it),
+and two publishing KV
 events in one pool (``kv_pool_pair``) for placement by what each engine holds.
 """
 
@@ -140,18 +142,37 @@ def small_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def small_pair(tmp_path_factory, small_model) -> Iterator[Pair]:
+def small_server(tmp_path_factory, small_model) -> Iterator[VllmServer]:
     """vLLM over the "small" model, whose prefill takes ~1 ms a prompt token on one CPU
     thread, so that a backlog on it lasts seconds (on the tiny model it lasts
-    milliseconds and cannot be held from outside), behind a Narwhal with a TTFT target of
-    ``SMALL_BUDGET_MS``. Module-scoped: its ~3 GB are given back when its tests end."""
+    milliseconds and cannot be held from outside). Module-scoped: its ~3 GB are given
+    back when its tests end."""
     root: Path = tmp_path_factory.mktemp("vllm-small")
     server = VllmServer("vllm-small", small_model, root).spawn()
     try:
         server.wait()
-        yield from _pair(server, admission={"ttft_target_ms": SMALL_BUDGET_MS})
+        yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def small_pair(small_server) -> Iterator[Pair]:
+    """The small model's engine behind a Narwhal with a TTFT target of
+    ``SMALL_BUDGET_MS``."""
+    yield from _pair(small_server, admission={"ttft_target_ms": SMALL_BUDGET_MS})
+
+
+OBJECTIVES = {"interactive": 10, "batch": -1}
+
+
+@pytest.fixture(scope="module")
+def objectives_pair(small_server) -> Iterator[Pair]:
+    """The small model's engine behind a Narwhal that serves one request at a time (one
+    prefill and one decode slot), with ``OBJECTIVES``' priorities: what arrives behind a
+    long prompt's request (a second of prefill) queues, in priority order."""
+    yield from _pair(small_server, admission={"mode": "open", "objectives": OBJECTIVES},
+                     scheduler={"max_prefill_per_engine": 1, "max_decode_per_engine": 1})
 
 
 @pytest.fixture(scope="session")

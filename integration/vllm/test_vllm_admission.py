@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import httpx
 import openai
@@ -167,3 +167,35 @@ def test_the_engines_sequence_cap_is_learned_from_outside(small_pair):
             f.result()
     assert 0 <= steps["intake_ms"] < 100, steps
     assert small_pair.settled()["requests"]["held"] == 0
+
+
+def test_priorities_order_the_queue_and_shed_in_front_of_vllm(objectives_pair):
+    """admission.objectives in front of real vLLM, one request at a time: behind a long
+    prompt (a second of the small model's prefill) a request without an objective
+    queues, then one naming the "interactive" objective (priority 10), which vLLM answers
+    first; a "batch" one (priority -1) arriving meanwhile is refused 429
+    ``request_shed`` rather than queued, and served once the engine is free."""
+    p = objectives_pair
+    interactive = {"x-gateway-inference-objective": "interactive"}
+    batch = {"x-llm-d-inference-objective": "batch"}
+    before = p.stack_counts()
+    with ThreadPoolExecutor(3) as pool, p.routed() as c:
+        first = pool.submit(c.post, CHAT, json=_long_body(0))
+        wait_for(lambda: p.engine_status()["in_flight"] == 1)
+        usual = pool.submit(c.post, CHAT, json=BODY)
+        wait_for(lambda: p.status()["requests"]["queued"] == 1)
+        urgent = pool.submit(c.post, CHAT, json=BODY, headers=interactive)
+        wait_for(lambda: p.status()["requests"]["queued"] == 2)
+        shed = c.post(CHAT, json=BODY, headers=batch)
+        assert shed.status_code == 429 and shed.json()["error"]["code"] == "request_shed"
+        assert shed.headers["retry-after"] == "1"
+        assert p.status()["requests"]["queued"] == 2  # it did not join the queue
+        done = list(as_completed([usual, urgent]))
+        assert [f.result().status_code for f in done] == [200, 200]
+        assert done == [urgent, usual]
+        assert first.result().status_code == 200
+        served = c.post(CHAT, json=BODY, headers=batch)
+        assert served.status_code == 200, served.text
+    counts = p.stack_counts()
+    assert counts["rejected"] - before["rejected"] == 1
+    assert counts["completed"] - before["completed"] == 4
