@@ -161,7 +161,10 @@ def test_a_higher_priority_objective_takes_the_freed_slot_first(objectives_stack
     usual = background(st, {"max_tokens": 3})
     wait_for(st, lambda s: s["requests"]["queued"] == 1)
     urgent = background(st, {"max_tokens": 3}, {"x-gateway-inference-objective": "interactive"})
-    wait_for(st, lambda s: s["requests"]["queued"] == 2)
+    queued = wait_for(st, lambda s: s["requests"]["queued"] == 2)["requests"]
+    assert queued["queued_by_priority"] == {"10": 1, "0": 1}
+    scraped = httpx.get(f"{st.admin_url}/metrics", timeout=5).text
+    assert 'narwhal_admission_queue_length_by_priority{priority="10"} 1.0' in scraped
     assert first.result().status_code == 200
     done = list(concurrent.futures.as_completed([usual, urgent]))
     assert [f.result().status_code for f in done] == [200, 200]

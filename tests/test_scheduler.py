@@ -959,3 +959,12 @@ def test_a_request_names_its_objective_by_either_header():
         assert ex.ticket is not None and ex.ticket.priority == priority, headers
         assert isinstance(sent[0], Headers)
         close(router, ex)
+
+
+def test_the_queue_is_counted_by_priority():
+    router, clock, _ = both_slots_taken()
+    s = router.scheduler
+    assert s.queued_by_priority() == {}
+    for priority in (0, 3, 0, 3, 7):
+        assert isinstance(s.admit(prioritized(router, 10, priority), clock.t), Queued)
+    assert s.queued_by_priority() == {0: 2, 3: 2, 7: 1}

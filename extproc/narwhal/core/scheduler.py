@@ -473,6 +473,15 @@ class Scheduler:
     def _any_slot(self, engines: list[EngineState]) -> bool:
         return any(e.has_slot(self.config.scheduler) for e in engines)
 
+    def queued_by_priority(self) -> dict[int, int]:
+        """How many requests wait at each priority (``admission.objectives``)."""
+        if not self.prioritized:
+            return {0: len(self.queue)} if self.queue else {}
+        counts: dict[int, int] = {}
+        for t in self.queue:
+            counts[t.priority] = counts.get(t.priority, 0) + 1
+        return counts
+
     def dequeue(self, t: Ticket) -> None:
         if t.queued_at is not None:
             self.queue.remove(t)

@@ -100,6 +100,12 @@ class RouterCollector(Collector):
                                       "acquired the Lease", value=lead.acquisitions)
         yield GaugeMetricFamily("narwhal_admission_queue_length", "Requests waiting for a slot",
                                 value=len(self.router.scheduler.queue))
+        by_priority = GaugeMetricFamily(
+            "narwhal_admission_queue_length_by_priority", "Requests waiting for a slot, by "
+            "their objective's priority (admission.objectives)", labels=["priority"])
+        for priority, n in self.router.scheduler.queued_by_priority().items():
+            by_priority.add_metric([str(priority)], n)
+        yield by_priority
         yield GaugeMetricFamily("narwhal_requests_held", "Requests inside the retention limit",
                                 value=self.router.held)
         yield GaugeMetricFamily("narwhal_held_bytes", "Request bodies and assembled responses "
