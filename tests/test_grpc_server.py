@@ -275,3 +275,45 @@ def test_streams_reset_before_their_first_message_end_the_connection_past_a_boun
         conn.connection_lost(None)
 
     asyncio.run(run())
+
+
+def test_a_call_that_raises_ends_its_own_stream_internal_and_nothing_else():
+    """Whether its message came whole in one DATA frame (the token events' way, handled
+    inline) or in pieces: the call's stream ends INTERNAL, the connection and its other
+    calls go on."""
+    class Raising(Call):
+        def on_message(self, data: bytes) -> None:
+            if data == b"boom":
+                raise RuntimeError("a bug in a call")
+            super().on_message(data)
+
+    async def run() -> None:
+        calls: list[Call] = []
+        conn = GrpcConnection({b"/svc/M": lambda st: calls.append(Raising(st)) or calls[-1]})
+        t = Transport()
+        conn.transport = t  # type: ignore[assignment]
+        conn.http2.initiate()
+        peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        peer.initiate_connection()
+        for sid in (1, 3, 5):
+            peer.send_headers(sid, [(":method", "POST"), (":scheme", "http"),
+                                    (":authority", "x"), (":path", "/svc/M"),
+                                    ("content-type", "application/grpc")])
+        boom = b"\x00\x00\x00\x00\x04boom"
+        peer.send_data(1, boom)  # whole, one frame
+        conn.data_received(peer.data_to_send())
+        peer.send_data(3, boom[:3])  # in two frames
+        conn.data_received(peer.data_to_send())
+        peer.send_data(3, boom[3:])
+        peer.send_data(5, b"\x00\x00\x00\x00\x02ok")
+        conn.data_received(peer.data_to_send())
+        events = peer.receive_data(t.written)
+        ended = {e.stream_id: dict(e.headers) for e in events
+                 if isinstance(e, h2.events.ResponseReceived | h2.events.TrailersReceived)}
+        assert ended[1][b"grpc-status"] == ended[3][b"grpc-status"] == b"13"
+        assert ended[1][b"grpc-message"] == b"internal error"
+        assert 5 not in ended and calls[2].messages == [b"ok"]
+        assert conn.linger is None and not t.closed
+        conn.connection_lost(None)
+
+    asyncio.run(run())

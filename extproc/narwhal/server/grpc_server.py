@@ -43,6 +43,7 @@ INTERNAL = 13
 RESPONSE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 MAX_MESSAGE = 4 * 1024 * 1024  # gRPC's own default receive limit
 _MESSAGE_HEAD = struct.Struct(">BI").pack  # a message's prefix: compressed flag, length
+_LENGTH = struct.Struct(">I").unpack_from  # a message's length, from its prefix
 OUT_HIGH = 1024 * 1024  # a stream's held-back output above which its input waits
 WRITE_HIGH = 4 * 1024 * 1024  # the socket's send buffer above which nothing more is read
 # After a GOAWAY for the peer's error, how long its remaining input is read and dropped
@@ -305,11 +306,17 @@ class GrpcConnection(asyncio.Protocol):
         data = ev.data
         if not st.parts and not st.pending_size and len(data) > 5 and data[0] == 0:
             # The common case, one whole message in one DATA frame: no buffering.
-            n = int.from_bytes(data[1:5], "big")
+            n = _LENGTH(data, 1)[0]
             if len(data) == 5 + n and n <= self.max_message:
                 self.http2.consumed(5 + n)
                 st.idle_ticks = -1
-                if not self._call(st, st.call.on_message, data[5:]) or not ev.end_stream:
+                try:  # ``_call``, inline: every token event comes this way
+                    st.call.on_message(data[5:])
+                except Exception:
+                    log.exception("gRPC call failed on stream %d", st.id)
+                    self._fail(st, INTERNAL, "internal error")
+                    return
+                if st.call is None or st.closed or not ev.end_stream:
                     return
                 data = b""
         if data:

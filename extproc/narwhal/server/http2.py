@@ -197,6 +197,7 @@ class ServerConnection:
     def __init__(self, window: int = 8 * 1024 * 1024, max_streams: int = 16384,
                  max_header_list: int = 65536) -> None:
         self.window = window
+        self.half_window = window // 2  # what is returned to the peer a WINDOW_UPDATE at most
         self.max_streams = max_streams
         self.max_header_list = max_header_list
         self.decoder = _Decoder(max_header_list)
@@ -417,7 +418,7 @@ class ServerConnection:
         """The application is done with ``n`` bytes of received DATA: the peer may send
         that much more on the connection (one WINDOW_UPDATE per half window)."""
         self.conn_recv_unacked += n
-        if self.conn_recv_unacked >= self.window // 2:
+        if self.conn_recv_unacked >= self.half_window:
             self.out.append(_frame(WINDOW_UPDATE, 0, 0, self.conn_recv_unacked.to_bytes(4, "big")))
             self.conn_recv_window += self.conn_recv_unacked
             self.conn_recv_unacked = 0
@@ -435,7 +436,7 @@ class ServerConnection:
             return
         # Stream windows are replenished on receipt; the connection window bounds memory.
         unacked += n
-        if unacked >= self.window // 2:
+        if unacked >= self.half_window:
             self.out.append(_frame(WINDOW_UPDATE, 0, sid, unacked.to_bytes(4, "big")))
             unacked = 0
         self.recv_unacked[sid] = unacked
