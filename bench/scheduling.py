@@ -186,18 +186,35 @@ class Result:
     retry_after: str | None = None
     retry_after_ms: str | None = None
     should_retry: str | None = None
+    objective: str = ""  # the InferenceObjective it named (``--interactive``), if any
 
 
-async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: int) -> Result:
+# ``--interactive``: the share of requests that name this objective, and its priority in
+# every Narwhal policy's admission.objectives (the other routers ignore the header).
+INTERACTIVE = "interactive"
+INTERACTIVE_PRIORITY = 10
+
+
+def objective_of(seed: int, interactive: float) -> str:
+    """The objective request ``seed`` names: ``INTERACTIVE`` for a share ``interactive``
+    of the seeds, drawn from the seed alone (the same requests whatever the policy)."""
+    return INTERACTIVE if interactive and random.Random(seed).random() < interactive else ""
+
+
+async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: int,
+              interactive: float = 0.0) -> Result:
     messages, body = work.request(seed)
-    result, reply = await stream(session, url, body)
+    objective = objective_of(seed, interactive)
+    headers = {"x-gateway-inference-objective": objective} if objective else {}
+    result, reply = await stream(session, url, body, headers)
+    result.objective = objective
     if result.end is not None:
         work.answered(messages, "".join(reply))
     return result
 
 
-async def stream(session: aiohttp.ClientSession, url: str,
-                 body: dict) -> tuple[Result, list[str]]:
+async def stream(session: aiohttp.ClientSession, url: str, body: dict,
+                 headers: dict[str, str] | None = None) -> tuple[Result, list[str]]:
     """One streaming request as a client sees it: status, Narwhal's prediction headers,
     the first token's and each later token's arrival, the engine's usage; and the reply's
     text (``end`` is set only when the stream completed). A reply whose tokens decode to
@@ -209,7 +226,8 @@ async def stream(session: aiohttp.ClientSession, url: str,
     reply: list[str] = []
     try:
         async with session.post(url, data=orjson.dumps(body),
-                                headers={"content-type": "application/json"}) as resp:
+                                headers={"content-type": "application/json",
+                                         **(headers or {})}) as resp:
             result.status = resp.status
             predicted = resp.headers.get("x-narwhal-predicted-ttft-ms")
             result.predicted_s = int(predicted) / 1000 if predicted else None
@@ -267,7 +285,7 @@ CLIENT_TIMEOUT_GPU_S = 10.0
 async def drive(url: str, rate: float, duration: float, seed: int, work: Workload,
                 timeout_s: float,
                 at: tuple[tuple[float, Callable[[], Awaitable[None]]], ...] = (),
-                warmup: float = 0.0) -> list[Result]:
+                warmup: float = 0.0, interactive: float = 0.0) -> list[Result]:
     """Poisson arrivals at ``rate`` for ``warmup`` + ``duration`` s, each given up after
     ``timeout_s``; the requests that arrived during the warm-up are not returned. ``at``:
     (seconds after the warm-up, coroutine function) pairs, started then (counter
@@ -287,7 +305,8 @@ async def drive(url: str, rate: float, duration: float, seed: int, work: Workloa
             if t >= end:
                 break
             await asyncio.sleep(max(0.0, t - time.monotonic()))
-            tasks.append(asyncio.ensure_future(one(session, url, work, seed * 100000 + i)))
+            tasks.append(asyncio.ensure_future(one(session, url, work, seed * 100000 + i,
+                                                   interactive)))
             i += 1
         done = await asyncio.gather(*tasks)
         return [r for r in done if isinstance(r, Result) and r.start >= measured]
@@ -655,7 +674,7 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace, mix: M
                                             Workload(random.Random(args.seed + 1), mix),
                                             CLIENT_TIMEOUT_GPU_S * args.time_scale,
                                             ((0.0, measured), (args.duration, arrivals_end)),
-                                            args.warmup))
+                                            args.warmup, args.interactive))
                 before, index0 = marks["engines"], marks["index"]
                 if watch is not None:
                     watch.stop()
@@ -684,6 +703,13 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace, mix: M
                         f"{n} {predicted[n]:.2f}/{actual[n]:.2f}" for n in gaps),
                         file=sys.stderr)
                 rows.append((policy, load, rate, row))
+                if args.interactive:  # each class apart: its own goodput and in-budget share
+                    for tag, objective in (("int", INTERACTIVE), ("rest", "")):
+                        part = [r for r in results if r.objective == objective]
+                        if part:
+                            rows.append((f"{policy}:{tag}", load, rate,
+                                         summarize(part, args.duration, budget_s,
+                                                   args.time_scale)))
                 print(f"  {policy} {load:g}x done", file=sys.stderr, flush=True)
                 idle([f"http://127.0.0.1:{s.port}" for s in pool.sims])
         finally:
@@ -817,6 +843,10 @@ def main() -> int:
     parser.add_argument("--calibrate-with", choices=("open", "open-noprefix", "predictive"),
                         default="open",
                         help="the placement that saturates the pool for --calibrate")
+    parser.add_argument("--interactive", type=float, default=0.0, metavar="SHARE",
+                        help="this share of requests name the InferenceObjective "
+                             f"'{INTERACTIVE}', priority {INTERACTIVE_PRIORITY} in every "
+                             "Narwhal policy; each class is reported apart too")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a Narwhal setting over every Narwhal policy's own (repeatable; "
                              "VALUE is YAML), e.g. scheduler.max_prefill_per_engine=10")
@@ -825,6 +855,9 @@ def main() -> int:
         args.set = settings(args.set)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.interactive:  # unless set otherwise (``--set admission.objectives={}``: none)
+        args.set.setdefault("admission", {}).setdefault(
+            "objectives", {INTERACTIVE: INTERACTIVE_PRIORITY})
     mix = workload_mix(args.workload, args.tenants)
     if args.calibrate:
         print(f"throughput, every seat taken ({args.workload}, {args.calibrate_with}): "
@@ -846,11 +879,14 @@ def main() -> int:
           f"{args.budget_ms} ms; load 1.0 = {capacity_rps(args.time_scale):.2f} req/s "
           f"(times below are GPU-equivalent)")
     sets = "".join(f" --set {sec}.{k}={orjson.dumps(v).decode()}"
-                   for sec, kv in args.set.items() for k, v in kv.items())
+                   for sec, kv in args.set.items() for k, v in kv.items()
+                   if not (args.interactive and (sec, k) == ("admission", "objectives")
+                           and v == {INTERACTIVE: INTERACTIVE_PRIORITY}))
     print(f"reproduce: python -m bench.scheduling --duration {args.duration:g} --loads "
           f"{args.loads} --budget-ms {args.budget_ms} --time-scale {args.time_scale:g} "
           f"--policies {args.policies} --seed {args.seed} --workload {args.workload} "
           f"--tenants {args.tenants} --warmup {args.warmup:g}"
+          f"{f' --interactive {args.interactive:g}' if args.interactive else ''}"
           f"{' --drift --drift-policy ' + args.drift_policy if args.drift else ''}{sets}")
     print(f"{'policy':19} {'load':>4} {'req/s':>6} {'goodput':>7} {'2nd half':>8} {'in-budget':>9} "
           f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TPOT p50':>8} {'p99':>6} {'refused':>7} "

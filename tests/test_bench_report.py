@@ -264,3 +264,16 @@ def test_the_retry_report_follows_each_user_request_through_its_attempts():
     assert r["retries"] == 5 and r["retries_admitted"] == 2 / 5
     assert r["in_budget"] == 2 / 3  # of the admitted attempts: 1.0 s, 2.0 s, 4.0 s
     assert r["goodput"] == 0.2 and r["served"] == 0.75
+
+
+def test_the_interactive_share_is_drawn_from_the_seed_alone():
+    """``--interactive``: the same requests name the objective whatever the policy (each
+    cell's seeds are the same), in about the share asked for."""
+    from bench.scheduling import INTERACTIVE, objective_of
+
+    seeds = range(100_000, 104_000)
+    picked = [objective_of(s, 0.25) for s in seeds]
+    assert picked == [objective_of(s, 0.25) for s in seeds]
+    assert set(picked) == {INTERACTIVE, ""}
+    assert 0.22 < picked.count(INTERACTIVE) / len(picked) < 0.28
+    assert {objective_of(s, 0.0) for s in seeds} == {""}
