@@ -349,3 +349,19 @@ def test_settings_enable_push_past_one_ends_the_connection():
     (ended,) = server.receive(http2._frame(http2.SETTINGS, 0, 0, (2).to_bytes(2, "big")
                                            + (2).to_bytes(4, "big")))
     assert isinstance(ended, http2.ConnectionTerminated) and ended.code == http2.PROTOCOL_ERROR
+
+
+def test_a_stream_update_short_of_a_window_lowers_what_the_setting_must_grow_to():
+    """A stream that waits for its own window and gets part of it by its own update (still
+    none to send) needs that much less growth of the initial window to send again."""
+    client, server = stopped_short(100, [1], 150)  # window 0, 50 bytes to go
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 60})  # -40
+    pump(client, server)
+    server.send_data(1, b"x" * 50)  # none: waits until the setting passes 100
+    client.increment_flow_control_window(30, stream_id=1)  # window -10: still none
+    s_events, _ = pump(client, server)
+    assert not [e for e in s_events if isinstance(e, http2.WindowUpdated)]
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 80})  # 10, not 100
+    s_events, _ = pump(client, server)
+    assert [e.stream_id for e in s_events if isinstance(e, http2.WindowUpdated)] == [1]
+    assert server.send_window(1) == 10

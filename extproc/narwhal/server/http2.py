@@ -197,7 +197,7 @@ class ServerConnection:
     def __init__(self, window: int = 8 * 1024 * 1024, max_streams: int = 16384,
                  max_header_list: int = 65536) -> None:
         self.window = window
-        self.half_window = window // 2  # what is returned to the peer a WINDOW_UPDATE at most
+        self.half_window = window // 2  # received bytes returned to the peer at this many
         self.max_streams = max_streams
         self.max_header_list = max_header_list
         self.decoder = _Decoder(max_header_list)
@@ -518,9 +518,13 @@ class ServerConnection:
         if self.peer_initial_window + credit > MAX_WINDOW:
             self.reset(sid, FLOW_CONTROL_ERROR)
             events.append(StreamReset(sid))
-        elif sid in self.wanting_own and self.peer_initial_window + credit > 0:
-            del self.wanting_own[sid]  # its heap entry is stale now
-            events.append(WindowUpdated(sid))
+        elif sid in self.wanting_own:
+            if self.peer_initial_window + credit > 0:
+                del self.wanting_own[sid]  # its heap entry is stale now
+                events.append(WindowUpdated(sid))
+            else:  # still none: a smaller growth of the initial window will do
+                self.wanting_own[sid] = -credit
+                heapq.heappush(self.wake_heap, (-credit, sid))
 
     def _settings(self, sid: int, flags: int, payload: bytes, events: list[Event]) -> None:
         if sid:
