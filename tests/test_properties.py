@@ -253,7 +253,8 @@ HEADERS = st.fixed_dictionaries(
      ":method": st.sampled_from(["POST", "GET"])},
     optional={"content-length": st.text("0123456789²", max_size=6),
               "x-slo-ttft-ms": st.text("0123456789-.", max_size=6),
-              "x-request-timeout-ms": st.text("0123456789", max_size=14)})
+              "x-request-timeout-ms": st.text("0123456789", max_size=14),
+              "x-gateway-inference-objective": st.sampled_from(["urgent", "batch", "other"])})
 BODIES = st.sampled_from([
     b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}',
     b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true}',
@@ -283,6 +284,9 @@ STEPS = st.lists(st.one_of(
 def test_exchange_keeps_its_invariants(sequences):
     router = Router(parse({"serving": {"model": "m"},
                            "telemetry": {"close_verdict_ms": 0},
+                           # one request at a time: the others queue, by priority
+                           "scheduler": {"max_prefill_per_engine": 1},
+                           "admission": {"objectives": {"urgent": 5, "batch": -1}},
                            "engines": [{"name": "a", "url": "http://127.0.0.1:9"}]}))
     for e in router.engines:
         e.healthy = e.checked = e.profiled = True
@@ -298,12 +302,17 @@ def test_exchange_keeps_its_invariants(sequences):
             assert acct.balanced() and acct.in_flight >= 0 and router.held >= 0
             assert router.held_bytes == sum(x.held_bytes for x in exchanges) >= 0
             assert all(e.prefill >= 0 and e.decode >= 0 for e in router.engines)
+            queue = router.scheduler.queue
+            assert router.scheduler.prioritized == sum(1 for t in queue if t.priority)
+            assert router.scheduler.queued_tokens == sum(t.tokens for t in queue)
+            assert all(t.priority >= 0 for t in queue)  # the sheddable never wait
     for ex in exchanges:
         ex.close()
     acct = router.accounting
     assert acct.in_flight == 0 and router.held == 0 and acct.balanced()
     assert router.held_bytes == 0
     assert all(e.in_flight == 0 for e in router.engines) and not router.scheduler.queue
+    assert router.scheduler.prioritized == 0
 
 
 def test_many_small_messages_in_one_buffer_are_linear():

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 import weakref
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from narwhal.config import parse
 from narwhal.core.exchange import Body, Exchange, Headers, Immediate
@@ -968,3 +971,61 @@ def test_the_queue_is_counted_by_priority():
     for priority in (0, 3, 0, 3, 7):
         assert isinstance(s.admit(prioritized(router, 10, priority), clock.t), Queued)
     assert s.queued_by_priority() == {0: 2, 3: 2, 7: 1}
+
+
+ARRIVAL = st.tuples(st.just("admit"), st.integers(1, 400), st.sampled_from([-1, 0, 0, 3, 7]))
+OPERATIONS = st.lists(st.one_of(
+    ARRIVAL, ARRIVAL, ARRIVAL,  # arrivals thrice as often: a queue forms
+    st.tuples(st.just("first_token"), st.integers(0, 20)),
+    st.tuples(st.just("first_tokens")),  # every running request's: their slots free at once
+    st.tuples(st.just("release"), st.integers(0, 20)),
+    st.tuples(st.just("leave"), st.integers(0, 20)),
+    st.tuples(st.just("pump"), st.floats(0.0, 0.5))), min_size=8, max_size=60)
+
+
+@settings(max_examples=int(os.environ.get("NARWHAL_FUZZ_EXAMPLES", "150")), deadline=None)
+@given(OPERATIONS, st.sampled_from(["fifo", "least-work"]), st.sampled_from(["predictive",
+                                                                               "open"]))
+def test_the_queue_keeps_its_priority_invariants(operations, order, mode):
+    """Any sequence of arrivals (of any priority), first tokens, ends, clients leaving the
+    queue and pumps: the queue's counts hold, no sheddable request ever waits in it, and
+    each pump hands out its requests in priority order."""
+    router, clock, _ = make_router(scheduler={"max_prefill_per_engine": 1,
+                                              "max_decode_per_engine": 8},
+                                   admission={"queue_order": order, "mode": mode})
+    s = router.scheduler
+    running: list[Ticket] = []
+    for op, *args in operations:
+        if op == "admit":
+            t = prioritized(router, args[0], args[1])
+            t.budget_s = 2.0
+            decision = s.admit(t, clock.t)
+            if isinstance(decision, Dispatch):  # booked on its engine
+                running.append(t)
+        elif op == "first_tokens":
+            for t in running:
+                s.first_token(t, clock.t)
+        elif op in ("first_token", "release") and running:
+            t = running[args[0] % len(running)]
+            if op == "first_token":
+                s.first_token(t, clock.t)
+            else:
+                s.release(t)
+                running.remove(t)
+        elif op == "leave" and s.queue:
+            s.release(s.queue[args[0] % len(s.queue)])
+        elif op == "pump":
+            clock.t += args[0]
+            for e in router.engines:
+                e.telemetry_at = clock.t
+            pumped = s.pump(clock.t)
+            if order == "fifo":
+                assert [t.priority for t in pumped] == sorted(
+                    (t.priority for t in pumped), reverse=True)
+            running += [t for t in pumped if t.refusal is None]
+        queue = s.queue
+        assert s.prioritized == sum(1 for t in queue if t.priority)
+        assert s.queued_tokens == sum(t.tokens for t in queue)
+        assert all(t.priority >= 0 for t in queue)
+        assert s.queued_by_priority() == {p: sum(1 for t in queue if t.priority == p)
+                                          for p in {t.priority for t in queue}}
