@@ -976,6 +976,7 @@ def test_the_queue_is_counted_by_priority():
 ARRIVAL = st.tuples(st.just("admit"), st.integers(1, 400), st.sampled_from([-1, 0, 0, 3, 7]))
 OPERATIONS = st.lists(st.one_of(
     ARRIVAL, ARRIVAL, ARRIVAL,  # arrivals thrice as often: a queue forms
+    st.tuples(st.just("burst"), st.lists(st.sampled_from([0, 3, 7]), min_size=2, max_size=6)),
     st.tuples(st.just("first_token"), st.integers(0, 20)),
     st.tuples(st.just("first_tokens")),  # every running request's: their slots free at once
     st.tuples(st.just("release"), st.integers(0, 20)),
@@ -1002,6 +1003,14 @@ def test_the_queue_keeps_its_priority_invariants(operations, order, mode):
             decision = s.admit(t, clock.t)
             if isinstance(decision, Dispatch):  # booked on its engine
                 running.append(t)
+        elif op == "burst":  # arrivals together, then every running request's first token
+            for priority in args[0]:
+                t = prioritized(router, 50, priority)
+                t.budget_s = 2.0
+                if isinstance(s.admit(t, clock.t), Dispatch):
+                    running.append(t)
+            for t in running:
+                s.first_token(t, clock.t)
         elif op == "first_tokens":
             for t in running:
                 s.first_token(t, clock.t)
