@@ -365,3 +365,21 @@ def test_a_stream_update_short_of_a_window_lowers_what_the_setting_must_grow_to(
     s_events, _ = pump(client, server)
     assert [e.stream_id for e in s_events if isinstance(e, http2.WindowUpdated)] == [1]
     assert server.send_window(1) == 10
+
+
+def test_the_wake_heap_stays_bounded_under_partial_stream_updates():
+    """Each update short of a window re-keys the stream in the heap, leaving its old entry
+    stale: a thousand one-byte updates leave a heap about as large as what waits, not a
+    thousand entries (the rebuild that bounds stops also bounds these)."""
+    client, server = stopped_short(100, [1], 150)
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})  # -100
+    pump(client, server)
+    server.send_data(1, b"x" * 50)
+    frames = b"".join(http2._frame(http2.WINDOW_UPDATE, 0, 1, (1).to_bytes(4, "big"))
+                      for _ in range(99))
+    assert not server.receive(frames)  # window -1: still none, no wake
+    assert len(server.wake_heap) <= 2 * len(server.wanting_own) + 65
+    assert server.wanting_own == {1: 1}
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2})
+    s_events, _ = pump(client, server)
+    assert [e.stream_id for e in s_events if isinstance(e, http2.WindowUpdated)] == [1]

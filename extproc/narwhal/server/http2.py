@@ -277,7 +277,7 @@ class ServerConnection:
             window = self.conn_send_window
         if window < n:
             n = window if window > 0 else 0
-            self._stopped(stream_id, n)
+            self._stopped(stream_id, credit - n)
             if not n:
                 return 0
             data = data[:n]
@@ -292,15 +292,17 @@ class ServerConnection:
         self.send_credit[stream_id] = credit - n
         return n
 
-    def _stopped(self, stream_id: int, sending: int) -> None:
-        """``stream_id`` is about to send ``sending`` bytes, short of what it has."""
-        credit = self.send_credit.get(stream_id)
-        if credit is None:
-            return
-        credit -= sending
+    def _stopped(self, stream_id: int, credit: int) -> None:
+        """``stream_id``, an open stream, sends less than it has and is left with
+        ``credit``: it waits for the window it lacks."""
         if self.peer_initial_window + credit > 0:  # it has window: the connection lacks it
             self.wanting_connection[stream_id] = None
-            return
+        else:
+            self._wait_own(stream_id, credit)
+
+    def _wait_own(self, stream_id: int, credit: int) -> None:
+        """``stream_id`` waits for its own window, which the initial window's growth past
+        ``-credit`` gives it; its heap entry before this one, if any, is stale."""
         self.wanting_own[stream_id] = -credit
         heap = self.wake_heap
         if len(heap) > 2 * len(self.wanting_own) + 64:  # mostly stale: rebuilt, linear
@@ -523,8 +525,7 @@ class ServerConnection:
                 del self.wanting_own[sid]  # its heap entry is stale now
                 events.append(WindowUpdated(sid))
             else:  # still none: a smaller growth of the initial window will do
-                self.wanting_own[sid] = -credit
-                heapq.heappush(self.wake_heap, (-credit, sid))
+                self._wait_own(sid, credit)
 
     def _settings(self, sid: int, flags: int, payload: bytes, events: list[Event]) -> None:
         if sid:
