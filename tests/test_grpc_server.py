@@ -58,17 +58,22 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
             + payload)
 
 
-def one_call() -> tuple[GrpcConnection, Transport, h2.connection.H2Connection, list[Call]]:
-    """A connection on a recording transport with a client that opened stream 1."""
+REQUEST = [(":method", "POST"), (":scheme", "http"), (":authority", "x"), (":path", "/svc/M"),
+           ("content-type", "application/grpc")]
+
+
+def one_call(call: type[Call] = Call
+             ) -> tuple[GrpcConnection, Transport, h2.connection.H2Connection, list[Call]]:
+    """A connection on a recording transport with a client that opened stream 1; each
+    stream's call a ``call``."""
     calls: list[Call] = []
-    conn = GrpcConnection({b"/svc/M": lambda stream: calls.append(Call(stream)) or calls[-1]})
+    conn = GrpcConnection({b"/svc/M": lambda stream: calls.append(call(stream)) or calls[-1]})
     t = Transport()
     conn.transport = t  # type: ignore[assignment]
     conn.http2.initiate()
     peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     peer.initiate_connection()
-    peer.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
-                          (":path", "/svc/M"), ("content-type", "application/grpc")])
+    peer.send_headers(1, REQUEST)
     conn.data_received(peer.data_to_send())
     return conn, t, peer, calls
 
@@ -123,8 +128,7 @@ def test_open_streams_are_bounded_across_connections():
 
     def open_stream(conn, t, peer) -> tuple[int, list]:
         sid = peer.get_next_available_stream_id()
-        peer.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
-                                (":path", "/svc/M"), ("content-type", "application/grpc")])
+        peer.send_headers(sid, REQUEST)
         sent = len(t.written)
         conn.data_received(peer.data_to_send())
         return sid, peer.receive_data(t.written[sent:])
@@ -179,9 +183,7 @@ def test_a_stream_silent_for_two_ticks_ends_deadline_exceeded():
         peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         peer.initiate_connection()
         for _ in range(2):
-            peer.send_headers(peer.get_next_available_stream_id(),
-                              [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
-                               (":path", "/svc/M"), ("content-type", "application/grpc")])
+            peer.send_headers(peer.get_next_available_stream_id(), REQUEST)
         conn.data_received(peer.data_to_send())
         silent, talking = calls
         peer.send_data(3, b"\x00\x00\x00\x00\x02hi")
@@ -239,9 +241,7 @@ def test_streams_reset_before_their_first_message_end_the_connection_past_a_boun
 
         def open_stream(first_message: bool) -> int:
             sid = peer.get_next_available_stream_id()
-            peer.send_headers(sid, [(":method", "POST"), (":scheme", "http"),
-                                    (":authority", "x"), (":path", "/svc/M"),
-                                    ("content-type", "application/grpc")])
+            peer.send_headers(sid, REQUEST)
             if first_message:
                 peer.send_data(sid, message)
             conn.data_received(peer.data_to_send())
@@ -288,17 +288,9 @@ def test_a_call_that_raises_ends_its_own_stream_internal_and_nothing_else():
             super().on_message(data)
 
     async def run() -> None:
-        calls: list[Call] = []
-        conn = GrpcConnection({b"/svc/M": lambda st: calls.append(Raising(st)) or calls[-1]})
-        t = Transport()
-        conn.transport = t  # type: ignore[assignment]
-        conn.http2.initiate()
-        peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-        peer.initiate_connection()
-        for sid in (1, 3, 5):
-            peer.send_headers(sid, [(":method", "POST"), (":scheme", "http"),
-                                    (":authority", "x"), (":path", "/svc/M"),
-                                    ("content-type", "application/grpc")])
+        conn, t, peer, calls = one_call(Raising)  # stream 1
+        for sid in (3, 5):
+            peer.send_headers(sid, REQUEST)
         boom = b"\x00\x00\x00\x00\x04boom"
         peer.send_data(1, boom)  # whole, one frame
         conn.data_received(peer.data_to_send())
