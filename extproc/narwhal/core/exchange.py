@@ -142,8 +142,8 @@ class Exchange:
                  "relay", "assembler", "parser", "status", "terminal", "sized", "upstream_error",
                  "request_ended", "request_bytes", "response_bytes", "held", "arrival",
                  "deadline", "budget_s", "tpot_budget_s", "priority", "ticket", "wake_at",
-                 "client_headers_sent", "last_token_at", "strip", "engine_seen", "request_id", "candidates",
-                 "decided_at", "ended_at", "error_code", "trace_headers", "recorded",
+                 "client_headers_sent", "last_token_at", "strip", "engine_seen", "request_id",
+                 "candidates", "decided_at", "ended_at", "error_code", "trace_headers", "recorded",
                  "token_id_fault", "reply", "parked", "held_bytes", "response_held",
                  "trailers_after", "request_pieces", "response_credit")
 
