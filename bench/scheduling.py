@@ -855,6 +855,7 @@ def main() -> int:
         args.set = settings(args.set)
     except ValueError as exc:
         parser.error(str(exc))
+    given = {sec: dict(kv) for sec, kv in args.set.items()}  # for the reproduce line
     if args.interactive:  # unless set otherwise (``--set admission.objectives={}``: none)
         args.set.setdefault("admission", {}).setdefault(
             "objectives", {INTERACTIVE: INTERACTIVE_PRIORITY})
@@ -879,9 +880,7 @@ def main() -> int:
           f"{args.budget_ms} ms; load 1.0 = {capacity_rps(args.time_scale):.2f} req/s "
           f"(times below are GPU-equivalent)")
     sets = "".join(f" --set {sec}.{k}={orjson.dumps(v).decode()}"
-                   for sec, kv in args.set.items() for k, v in kv.items()
-                   if not (args.interactive and (sec, k) == ("admission", "objectives")
-                           and v == {INTERACTIVE: INTERACTIVE_PRIORITY}))
+                   for sec, kv in given.items() for k, v in kv.items())
     print(f"reproduce: python -m bench.scheduling --duration {args.duration:g} --loads "
           f"{args.loads} --budget-ms {args.budget_ms} --time-scale {args.time_scale:g} "
           f"--policies {args.policies} --seed {args.seed} --workload {args.workload} "
