@@ -14,6 +14,12 @@ does, for any namespaced resource (Leases, EndpointSlices, Pods, InferencePools)
 * Error bodies and answers carry ``Content-Type: application/json`` exactly.
 * Every accepted write is appended to a journal (``GET /_journal``) with the server's
   clock, so tests can check what was written and in what order.
+* ``--absent PLURAL`` serves a cluster without that kind's CustomResourceDefinition:
+  every path under it answers the API server's 404 for a resource it does not know
+  (``GET /_absent`` counts those answers).
+* ``POST /_down`` is an outage: open watches end and the API answers 503 until ``POST
+  /_up``, except to requests with the header ``x-stand-in-admin`` (the test's own
+  changes, made while no client can see them).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from typing import Any
 from aiohttp import web
 
 KINDS = {"leases": "Lease", "endpointslices": "EndpointSlice", "pods": "Pod",
-         "inferencepools": "InferencePool", "services": "Service"}
+         "inferencepools": "InferencePool", "services": "Service",
+         "inferenceobjectives": "InferenceObjective"}
 Key = tuple[str, str, str, str]  # (api prefix, plural, namespace, name)
 
 
@@ -64,6 +71,7 @@ class Store:
         self.events: list[tuple[int, str, Key, dict[str, Any]]] = []
         self.journal: list[dict[str, Any]] = []
         self.changed = asyncio.Condition()
+        self.down = False
 
     async def _commit(self, verb: str, key: Key, obj: dict[str, Any], api_version: str
                       ) -> dict[str, Any]:
@@ -86,8 +94,25 @@ class Store:
         return obj
 
 
-def app() -> web.Application:
+def app(absent: frozenset[str] = frozenset()) -> web.Application:
     store = Store()
+    refused = [0]
+
+    @web.middleware
+    async def unknown_kinds(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.match_info.get("plural") in absent:  # no CRD: the server's own 404
+            refused[0] += 1
+            return status(404, "NotFound", "the server could not find the requested resource")
+        if store.down and not request.path.startswith("/_") and (
+                "x-stand-in-admin" not in request.headers):
+            return status(503, "ServiceUnavailable", "the stand-in is down (POST /_up)")
+        return await handler(request)
+
+    async def set_down(request: web.Request) -> web.Response:
+        store.down = request.path == "/_down"
+        async with store.changed:
+            store.changed.notify_all()  # open watches end
+        return _json({"down": store.down})
 
     def where(request: web.Request) -> tuple[str, str, str, str]:
         m = request.match_info
@@ -152,14 +177,15 @@ def app() -> web.Application:
                     await resp.write(json.dumps({"type": "ADDED", "object": o}).encode() + b"\n")
         else:
             seen = int(since)
-        while True:
+        while not store.down:
             for rev, kind, key, obj in [e for e in store.events if e[0] > seen]:
                 seen = rev
                 if mine(key, obj):
                     await resp.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
             async with store.changed:
-                if store.revision == seen:
+                if store.revision == seen and not store.down:
                     await store.changed.wait()
+        return resp
 
     async def journal(request: web.Request) -> web.Response:
         return _json(store.journal)
@@ -167,24 +193,29 @@ def app() -> web.Application:
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    application = web.Application()
+    application = web.Application(middlewares=[unknown_kinds])
     for base in ("/api/v1/namespaces/{ns}/{plural}",
                  "/apis/{group}/{version}/namespaces/{ns}/{plural}"):
         application.router.add_route("*", base, collection)
         application.router.add_route("*", base + "/{name}", one)
     application.router.add_get("/_journal", journal)
+    application.router.add_post("/_down", set_down)
+    application.router.add_post("/_up", set_down)
+    application.router.add_get("/_absent", lambda request: _json({"answered": refused[0]}))
     application.router.add_get("/healthz", healthz)
     return application
 
 
-def spawn() -> tuple[str, subprocess.Popen]:
-    """Start the stand-in as its own process on a free loopback port; return its URL and
-    the process once it answers. Stop it with ``kill()``: open watch streams would hold a
-    graceful stop."""
+def spawn(absent: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
+    """Start the stand-in as its own process on a free loopback port (without the kinds
+    ``absent`` names); return its URL and the process once it answers. Stop it with
+    ``kill()``: open watch streams would hold a graceful stop."""
     from narwhal.launch import REPO_ROOT, free_port, wait_http
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "integration.kubeapi", "--port", str(port)],
+    flags = [arg for plural in absent for arg in ("--absent", plural)]
+    proc = subprocess.Popen([sys.executable, "-m", "integration.kubeapi", "--port", str(port),
+                             *flags],
                             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -198,8 +229,11 @@ def spawn() -> tuple[str, subprocess.Popen]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--absent", action="append", default=[],
+                        help="a resource plural the server does not serve (no CRD)")
     args = parser.parse_args()
-    web.run_app(app(), host="127.0.0.1", port=args.port, access_log=None, print=None)
+    web.run_app(app(frozenset(args.absent)), host="127.0.0.1", port=args.port,
+                access_log=None, print=None)
 
 
 if __name__ == "__main__":

@@ -299,6 +299,19 @@ def test_kubernetes_discovery_grants_read_rbac_and_a_token():
     granted = {r for rule in role["rules"] for r in rule["resources"]}
     assert granted == {"endpointslices", "pods", "inferencepools"}
     assert all(set(rule["verbs"]) == {"get", "list", "watch"} for rule in role["rules"])
+    # An InferencePool's objectives: read too, unless turned off.
+    pool = [*FEATURES["kube-discovery"], "--set", "engines.discovery.source=inferencepool"]
+    for extra, follows in (([], True), (["--set", "engines.discovery.inferenceObjectives=false"],
+                                        False)):
+        docs = render(pool + extra)
+        (role,) = by_kind(docs, "Role")
+        rules = {(g, r) for rule in role["rules"] for g in rule["apiGroups"]
+                 for r in rule["resources"]}
+        assert (("inference.networking.x-k8s.io", "inferenceobjectives") in rules) == follows
+        (cm,) = by_kind(docs, "ConfigMap")
+        cfg = parse(yaml.safe_load(cm["data"]["narwhal.yaml"]))
+        assert cfg.discovery.source == "inferencepool"
+        assert cfg.discovery.inference_objectives == follows
     (sa,) = by_kind(docs, "ServiceAccount")
     assert sa["automountServiceAccountToken"] is True
     (default_sa,) = by_kind(render([]), "ServiceAccount")

@@ -1,9 +1,12 @@
 """`engines: {discovery: kubernetes}` end to end: Narwhal watches a stand-in API server
 process (``integration/kubeapi.py``; no real one can run here) while the test changes
-EndpointSlices, Pods and an InferencePool, and clients go through Envoy."""
+EndpointSlices, Pods, an InferencePool and its InferenceObjectives, and clients go
+through Envoy."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 from collections.abc import Iterator
 
 import httpx
@@ -123,3 +126,141 @@ def test_pods_an_inferencepool_selects_are_the_pool_and_survive_an_api_outage(wo
         assert served_by(stack) == "c" and eligible(stack) == {c}
     finally:
         stack.stop()
+
+
+OBJECTIVES = "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/llm/inferenceobjectives"
+
+
+def objective(name: str, priority: int | None, pool: str = "pool") -> dict:
+    spec: dict = {"poolRef": {"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                              "name": pool}}
+    if priority is not None:
+        spec["priority"] = priority
+    return {"metadata": {"name": name}, "spec": spec}
+
+
+@contextlib.contextmanager
+def one_pod_pool(engine: str, sim_args: list[str], absent: tuple[str, ...] = ()
+                 ) -> Iterator[dict]:
+    """Its own API server (without the kinds ``absent`` names), serving an InferencePool
+    ``pool`` that selects one running, ready Pod: a simulator named ``engine``."""
+    api, proc = kubeapi.spawn(absent)
+    sims = Stack(sims=[SimSpec(f"k-{engine}", args=["--engine-name", engine, *sim_args])],
+                 model=MODEL)
+    try:
+        sims.start_sims()
+        port = sims.sims[0].port
+        world = {"api": api, "proc": proc, "ports": {engine: port}}
+        put(world, POOLS, {"metadata": {"name": "pool"}, "spec": {
+            "selector": {"matchLabels": {"app": engine}}, "targetPorts": [{"number": port}],
+            "endpointPickerRef": {"name": "narwhal", "port": {"number": 9002}}}})
+        put(world, PODS, {"metadata": {"name": f"{engine}-0", "labels": {"app": engine}},
+                          "status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [
+                              {"type": "Ready", "status": "True"}]}})
+        yield world
+    finally:
+        sims.stop()
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture()
+def slow_pool() -> Iterator[dict]:
+    """A slow engine (10 ms a token) that one request keeps busy."""
+    with one_pod_pool("slow", ["--tpot-ms", "10"]) as world:
+        yield world
+
+
+def served_by_slow(stack: Stack) -> bool:
+    resp = httpx.post(f"{stack.url}/v1/chat/completions", json=BODY, timeout=30)
+    return resp.status_code == 200 and resp.headers["x-sim-engine"] == "slow"
+
+
+def objectives(stack: Stack) -> dict:
+    return httpx.get(f"{stack.admin_url}/status", timeout=5).json()["objectives"]
+
+
+def test_the_pools_inferenceobjectives_are_request_priorities(slow_pool):
+    """The InferenceObjectives whose poolRef names the pool are followed as priorities,
+    over admission.objectives for their names: one created after start makes its
+    requests sheddable (429 ``request_shed`` while the engine is busy), one naming a
+    configured objective with priority 0 makes that objective's requests queue instead
+    of being shed, another pool's objective is ignored, and a deleted one leaves the
+    configured map as it was."""
+    world = slow_pool
+    put(world, OBJECTIVES, objective("batch", 0))  # before start: the list sees it
+    stack = Stack(sims=[], model=MODEL, wait_ready=False,
+                  envoy_engines=[f"127.0.0.1:{world['ports']['slow']}"], config={
+                      "engines": {"discovery": "kubernetes", "namespace": "llm", "name": "pool",
+                                  "source": "inferencepool", "api_server": world["api"],
+                                  "interval_ms": 200},
+                      "admission": {"mode": "open", "queue_limit": 4,
+                                    "objectives": {"batch": -1, "interactive": 5}},
+                      "scheduler": {"max_prefill_per_engine": 1, "max_decode_per_engine": 1}})
+    stack.start()
+    try:
+        wait_for(lambda: eligible(stack))
+        assert objectives(stack) == {"batch": 0, "interactive": 5}
+        put(world, OBJECTIVES, objective("bulk", -5))
+        put(world, OBJECTIVES, objective("elsewhere", 7, pool="another-pool"))
+        put(world, OBJECTIVES, objective("interactive", 50_000))  # clamped
+        wait_for(lambda: objectives(stack) == {"batch": 0, "interactive": 1000, "bulk": -5})
+        url = f"{stack.url}/v1/chat/completions"
+
+        def chat(tokens: int, name: str = "") -> httpx.Response:
+            headers = {"x-gateway-inference-objective": name} if name else {}
+            return httpx.post(url, json=BODY | {"max_tokens": tokens}, headers=headers,
+                              timeout=30)
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            busy = pool.submit(chat, 80)  # ~0.8 s on the one slot
+            wait_for(lambda: httpx.get(f"{stack.admin_url}/status", timeout=5).json()[
+                "requests"]["in_flight"] == 1)
+            shed = chat(2, "bulk")
+            assert shed.status_code == 429, shed.text
+            assert shed.json()["error"]["code"] == "request_shed"
+            queued = chat(2, "batch")  # configured -1, but the API server's 0: it waits
+            assert queued.status_code == 200, queued.text
+            assert busy.result().status_code == 200
+        for name in ("bulk", "batch", "elsewhere"):
+            httpx.delete(world["api"] + OBJECTIVES + f"/{name}", timeout=5)
+        wait_for(lambda: objectives(stack) == {"batch": -1, "interactive": 1000})
+        # An outage during which the namespace's last objective goes: the watch after it
+        # starts from a fresh list, which has none (a watch alone would replay nothing,
+        # and the gone objective's priority would stay).
+        log = stack.proc("narwhal").log
+        httpx.post(world["api"] + "/_down", timeout=5)
+        wait_for(lambda: "InferenceObjective watch for pool pool failed" in log.read_text())
+        gone = httpx.delete(world["api"] + OBJECTIVES + "/interactive", timeout=5,
+                            headers={"x-stand-in-admin": "1"})
+        assert gone.status_code == 200
+        assert objectives(stack) == {"batch": -1, "interactive": 1000}  # the last known
+        httpx.post(world["api"] + "/_up", timeout=5)
+        wait_for(lambda: objectives(stack) == {"batch": -1, "interactive": 5})
+        assert served_by_slow(stack)
+    finally:
+        stack.stop()
+
+
+def test_without_the_inferenceobjective_crd_the_configured_priorities_stay():
+    """A cluster without the InferenceObjective CRD: the watch's 404 is logged once (not
+    every retry), the pool is discovered and served as ever, and the priorities are
+    admission.objectives'."""
+    with one_pod_pool("plain", [], absent=("inferenceobjectives",)) as world:
+        stack = router(world, name="pool", source="inferencepool")
+        try:
+            wait_for(lambda: eligible(stack))
+            assert served_by(stack) == "plain"
+            log = stack.proc("narwhal").log
+            wait_for(lambda: log.read_text().count("InferenceObjective watch") >= 1)
+            # Retries every 200 ms: a request served after several has not been logged again.
+            first = log.read_text()
+            wait_for(lambda: httpx.get(f"{world['api']}/_absent", timeout=5).json()[
+                "answered"] >= 4)
+            assert served_by(stack) == "plain"
+            text = log.read_text()
+            assert "InferenceObjective watch for pool pool: not found (404" in first
+            assert text.count("InferenceObjective watch") == 1, text
+            assert objectives(stack) == {}
+        finally:
+            stack.stop()

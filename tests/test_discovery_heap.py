@@ -43,9 +43,8 @@ def test_engines_a_kubernetes_watch_adds_are_frozen():
         started()
         d = config.discovery
         discovery = KubernetesDiscovery(router, d, api=object())  # no API calls here
-        discovery.objects["slice"] = {"10.0.0.7:8000": d.engine("pool/10.0.0.7", "10.0.0.7",
-                                                                 8000)}
-        discovery._apply()
+        discovery._apply({"slice": {"10.0.0.7:8000": d.engine("pool/10.0.0.7", "10.0.0.7",
+                                                              8000)}})
         e = next(e for e in router.engines if e.endpoint == "10.0.0.7:8000")
         assert not walked_by_a_collection(e.prefix.blocks)
     finally:

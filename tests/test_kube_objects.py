@@ -1,5 +1,5 @@
-"""Kubernetes objects to engines (discovery), and the config that turns it and leader
-election and tracing on."""
+"""Kubernetes objects to engines (discovery) and to priorities (InferenceObjectives), and
+the config that turns them and leader election and tracing on."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 
 from narwhal.config import ConfigError, Discovery, parse
 from narwhal.server.kube_discovery import pod_engines, pool_selector, slice_engines
+from narwhal.server.kube_objectives import objective_priority
 
 D = Discovery(discovery="kubernetes", name="vllm", port=9999)
 
@@ -49,6 +50,7 @@ def test_config_for_kubernetes_discovery_leader_election_and_tracing():
                  "router": {"leader_election": {"enabled": True}},
                  "telemetry": {"tracing": {"enabled": True, "sample_ratio": 0.25}}})
     assert cfg.discovery.source == "inferencepool" and cfg.discovery.namespace == "llm"
+    assert cfg.discovery.inference_objectives  # on by default with an InferencePool
     assert cfg.router.leader_election.lease_duration_ms == 15_000
     assert cfg.telemetry.tracing.sample_ratio == 0.25
     bad = [
@@ -59,7 +61,44 @@ def test_config_for_kubernetes_discovery_leader_election_and_tracing():
         ({"router": {"role": "standby", "leader_election": {"enabled": True}}}, "router.role"),
         ({"telemetry": {"tracing": {"sample_ratio": 1.5}}}, "sample_ratio"),
         ({"scheduler": {"fallbacks": -1}}, "scheduler.fallbacks"),
+        ({"engines": {"discovery": "kubernetes", "name": "x", "inference_objectives": True}},
+         "engines.inference_objectives: follows the InferenceObjectives of an InferencePool"),
+        ({"engines": {"discovery": "dns", "name": "x", "inference_objectives": False}},
+         "needs discovery: kubernetes, source: inferencepool"),
+        ({"engines": {"discovery": "kubernetes", "name": "x", "source": "inferencepool",
+                      "inference_objectives": "yes"}}, "expected true or false"),
     ]
     for data, where in bad:
         with pytest.raises(ConfigError, match=where):
             parse(data)
+
+
+def _objective(spec: dict) -> dict:
+    return {"metadata": {"name": "o"}, "spec": spec}
+
+
+def test_an_inferenceobjective_for_the_pool_is_its_priority():
+    ref = {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "pool"}
+    assert objective_priority(_objective({"poolRef": ref, "priority": 10}), "pool") == 10
+    assert objective_priority(_objective({"poolRef": ref, "priority": -3}), "pool") == -3
+    # Unset (or null) is 0, as the Extension's picker reads it.
+    assert objective_priority(_objective({"poolRef": ref}), "pool") == 0
+    assert objective_priority(_objective({"poolRef": ref, "priority": None}), "pool") == 0
+    # Group and kind default; the experimental group's pools count too.
+    assert objective_priority(_objective({"poolRef": {"name": "pool"}, "priority": 2}),
+                              "pool") == 2
+    x_ref = ref | {"group": "inference.networking.x-k8s.io"}
+    assert objective_priority(_objective({"poolRef": x_ref, "priority": 2}), "pool") == 2
+    # Beyond admission.objectives' range: clamped.
+    assert objective_priority(_objective({"poolRef": ref, "priority": 2**31 - 1}), "pool") == 1000
+    assert objective_priority(_objective({"poolRef": ref, "priority": -(2**31)}), "pool") == -1000
+    # Another pool's, another kind's, or malformed: none.
+    for spec in ({"poolRef": ref | {"name": "other"}, "priority": 1},
+                 {"poolRef": ref | {"kind": "Service"}, "priority": 1},
+                 {"poolRef": ref | {"group": "example.com"}, "priority": 1},
+                 {"poolRef": ref, "priority": "high"}, {"poolRef": ref, "priority": True},
+                 {"poolRef": ref, "priority": 1.5}, {"poolRef": "pool", "priority": 1},
+                 {"priority": 1}):
+        assert objective_priority(_objective(spec), "pool") is None, spec
+    assert objective_priority({"metadata": {"name": "o"}}, "pool") is None
+    assert objective_priority({"spec": [1]}, "pool") is None

@@ -141,7 +141,8 @@ class Discovery:
     """Where the pool comes from. ``dns``: resolve ``name`` (a headless Service) every
     ``interval_ms``. ``kubernetes``: watch the API server: the EndpointSlices of Service
     ``name`` (``source: endpointslices``), or the Pods an InferencePool ``name`` selects,
-    one engine per target port (``source: inferencepool``)."""
+    one engine per target port (``source: inferencepool``), and then the pool's
+    InferenceObjectives as request priorities (``inference_objectives``)."""
 
     discovery: str
     name: str
@@ -159,6 +160,9 @@ class Discovery:
     # kv-events-config endpoint and replay_endpoint ports). 0 for none.
     kv_events_port: int = 0
     kv_replay_port: int = 0
+    # source: inferencepool: follow the InferenceObjectives whose poolRef names the pool,
+    # as request priorities over admission.objectives (server/kube_objectives.py).
+    inference_objectives: bool = True
 
     def engine(self, name: str, ip: str, port: int, rank: int = 0) -> EngineConfig:
         """The engine a discovered address is: the pool's seeds, and its KV-event
@@ -421,6 +425,10 @@ def _discovery(data: dict[str, Any]) -> Discovery:
     if d.kv_replay_port and not d.kv_events_port:
         raise ConfigError("engines.kv_replay_port: replays the engines' KV events; set "
                           "kv_events_port too")
+    if "inference_objectives" in data and (d.discovery, d.source) != ("kubernetes",
+                                                                      "inferencepool"):
+        raise ConfigError("engines.inference_objectives: follows the InferenceObjectives of "
+                          "an InferencePool; needs discovery: kubernetes, source: inferencepool")
     return d
 
 

@@ -46,7 +46,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $c "serving" $serving -}}
 {{- $_ := set $c "telemetry" $telemetry -}}
 {{- if and .Values.engines.discovery.enabled (eq .Values.engines.discovery.kind "kubernetes") -}}
-{{- $_ := set $c "engines" (dict "discovery" "kubernetes" "name" .Values.engines.discovery.service "namespace" .Release.Namespace "source" .Values.engines.discovery.source "port" (int .Values.engines.discovery.port) "dialect" .Values.engines.discovery.dialect "interval_ms" (int .Values.engines.discovery.intervalMs) "kv_events_port" (int .Values.engines.discovery.kvEventsPort) "kv_replay_port" (int .Values.engines.discovery.kvReplayPort)) -}}
+{{- $kube := dict "discovery" "kubernetes" "name" .Values.engines.discovery.service "namespace" .Release.Namespace "source" .Values.engines.discovery.source "port" (int .Values.engines.discovery.port) "dialect" .Values.engines.discovery.dialect "interval_ms" (int .Values.engines.discovery.intervalMs) "kv_events_port" (int .Values.engines.discovery.kvEventsPort) "kv_replay_port" (int .Values.engines.discovery.kvReplayPort) -}}
+{{- if eq .Values.engines.discovery.source "inferencepool" -}}
+{{- $_ := set $kube "inference_objectives" .Values.engines.discovery.inferenceObjectives -}}
+{{- end -}}
+{{- $_ := set $c "engines" $kube -}}
 {{- else if .Values.engines.discovery.enabled -}}
 {{- $_ := set $c "engines" (dict "discovery" "dns" "name" .Values.engines.discovery.service "port" (int .Values.engines.discovery.port) "dialect" .Values.engines.discovery.dialect "interval_ms" (int .Values.engines.discovery.intervalMs) "kv_events_port" (int .Values.engines.discovery.kvEventsPort) "kv_replay_port" (int .Values.engines.discovery.kvReplayPort)) -}}
 {{- else -}}

@@ -40,7 +40,8 @@ PREDICTED_OUTPUT_HEADER = "x-narwhal-predicted-output-tokens"
 PREDICTED_CACHED_HEADER = "x-narwhal-predicted-cached-tokens"  # of the prompt, on its engine
 TIMEOUT_HEADER = "x-request-timeout-ms"
 # An InferenceObjective's name (the Inference Extension's header, and llm-d's): its
-# priority is admission.objectives'.
+# priority is the router's objectives' (admission.objectives, under the pool's
+# InferenceObjectives where discovery follows them).
 OBJECTIVE_HEADERS = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
 PREDICTED_HEADER = "x-narwhal-predicted-ttft-ms"
 # The Inference Extension conformance suite's test picker: a header naming the allowed
@@ -252,9 +253,10 @@ class Exchange:
         # share of it (a shorter queue, a shorter tail).
         self.budget_s = budget_ms * adm.ttft_target_share / 1000
         self.tpot_budget_s = tpot_ms / 1000 if tpot_ms else None
-        if adm.objectives:
+        objectives = self.router.objectives
+        if objectives:
             objective = next((headers[k] for k in OBJECTIVE_HEADERS if k in headers), "")
-            self.priority = adm.objectives.get(objective, 0)
+            self.priority = objectives.get(objective, 0)
         self.deadline = now + timeout_ms / 1000
         self._arm(min(self.deadline, self._body_end()))
         self.phase = Phase.REQUEST_BODY

@@ -54,6 +54,9 @@ class Router:
             self.scheduler.prompt_ids = PromptIds.load(self.sizer.tokenizer,
                                                        config.sizing.tokenizer)
         self.accounting = Accounting()
+        # Priorities by objective name, as requests are admitted: admission.objectives,
+        # under the pool's InferenceObjectives where discovery follows them.
+        self.objectives: dict[str, int] = dict(config.admission.objectives)
         self.held = 0  # requests inside the HTTP retention limit
         self.held_bytes = 0  # what they hold against serving.max_held_bytes
         self.draining = False

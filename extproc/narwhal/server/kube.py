@@ -1,9 +1,16 @@
 """One way to reach the Kubernetes API (lightkube): a plain URL for a proxy or a test
-server, else the pod's service account, else $KUBECONFIG."""
+server, else the pod's service account, else $KUBECONFIG; and one way to follow a kind
+of object (``mirror``: list, then watch from the list's version)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 from lightkube import ApiError, AsyncClient, KubeConfig
+from lightkube.core.exceptions import NotReadyError
+
+T = TypeVar("T")
 
 
 def client(api_server: str, namespace: str, timeout_s: float | None) -> AsyncClient:
@@ -25,3 +32,42 @@ def status_code(exc: BaseException) -> int | None:
         return int(exc.status.code)
     response = getattr(exc, "response", None)
     return getattr(response, "status_code", None)
+
+
+def as_dict(obj: Any) -> dict[str, Any]:
+    """An API object as plain data (lightkube's models and generic resources both)."""
+    return obj.to_dict() if hasattr(obj, "to_dict") else dict(obj)
+
+
+async def mirror(api: AsyncClient, resource: Any, namespace: str, labels: dict[str, str] | None,
+                 derive: Callable[[dict[str, Any]], T],
+                 changed: Callable[[dict[str, T]], None]) -> None:
+    """Keep ``changed`` told of what every object of ``resource`` in ``namespace`` (that
+    ``labels`` select) derives to, by name: once after a LIST, then after each change a
+    WATCH from the list's ``resourceVersion`` reports (the API's informer pattern). Why a
+    list first: a watch without a version replays only the objects that exist, so an
+    object deleted while no watch ran would otherwise stay; and one started from the
+    list's version misses no change made in between. Returns when the watch ends (the
+    caller lists again); raises what the API answers (404 for a kind it does not serve,
+    410 for a version too old)."""
+    state: dict[str, T] = {}
+    listing = api.list(resource, namespace=namespace, labels=labels)
+    async for obj in listing:
+        data = as_dict(obj)
+        state[(data.get("metadata") or {}).get("name", "")] = derive(data)
+    changed(state)
+    try:
+        version: str | None = listing.resourceVersion
+    except NotReadyError:  # an empty list without a version: start from now
+        version = None
+    async for op, obj in api.watch(resource, namespace=namespace, labels=labels,
+                                   resource_version=version):
+        data = as_dict(obj)
+        name = (data.get("metadata") or {}).get("name", "")
+        if op == "DELETED":
+            state.pop(name, None)
+        elif op in ("ADDED", "MODIFIED"):
+            state[name] = derive(data)
+        else:  # BOOKMARK: a version only
+            continue
+        changed(state)

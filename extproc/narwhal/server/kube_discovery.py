@@ -4,10 +4,11 @@
 ``kubernetes.io/service-name``): every ready address is an engine on the slice's port.
 ``source: inferencepool`` reads an InferencePool (Gateway API Inference Extension) and
 watches the Pods its selector matches: every running, ready Pod is an engine on each of
-the pool's target ports. Changes reconcile the pool as DNS discovery does: new endpoints
-join (eligible after their first scrape and profile), vanished ones are retired and
-dropped once drained. A watch that fails is re-established (re-listing first) after
-``interval_ms``; meanwhile the last known pool stays.
+the pool's target ports (and follows the pool's InferenceObjectives: ``kube_objectives``).
+Changes reconcile the pool as DNS discovery does: new endpoints join (eligible after their
+first scrape and profile), vanished ones are retired and dropped once drained. A watch
+that fails is re-established (re-listing first) after ``interval_ms``; meanwhile the last
+known pool stays.
 
 The functions that turn API objects into engine configs are pure (unit-tested); the loop
 does the I/O.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from lightkube import AsyncClient
@@ -27,7 +29,8 @@ from lightkube.resources.discovery_v1 import EndpointSlice
 from ..config import Discovery, EngineConfig
 from ..core.router import Router
 from .discovery import reconcile
-from .kube import client
+from .kube import as_dict, client, mirror, status_code
+from .kube_objectives import follow_objectives
 
 log = logging.getLogger("narwhal.discovery")
 SERVICE_LABEL = "kubernetes.io/service-name"
@@ -85,51 +88,60 @@ def pod_engines(d: Discovery, pod: dict[str, Any], ports: list[int]) -> dict[str
 
 
 class KubernetesDiscovery:
+    """The pool (and, with ``source: inferencepool``, the pool's InferenceObjectives)
+    followed from the API server: each by its own list-and-watch, retried on its own
+    after ``interval_ms`` when it fails, the last known state kept meanwhile."""
+
     def __init__(self, router: Router, d: Discovery, api: AsyncClient | None = None) -> None:
         self.router = router
         self.d = d
         self.client = api or client(d.api_server, d.namespace, None)
-        self.objects: dict[str, dict[str, EngineConfig]] = {}  # object name -> its engines
 
-    def _apply(self) -> None:
+    def _apply(self, objects: dict[str, dict[str, EngineConfig]]) -> None:
         wanted: dict[str, EngineConfig] = {}
-        for engines in self.objects.values():
+        for engines in objects.values():
             wanted.update(engines)
         reconcile(self.router, wanted, f"{self.d.namespace}/{self.d.name}")
-
-    async def _watch(self, resource: Any, labels: dict[str, str], engines) -> None:
-        # A fresh watch (no resourceVersion) starts with the current objects, each ADDED.
-        self.objects.clear()
-        async for op, obj in self.client.watch(resource, namespace=self.d.namespace,
-                                               labels=labels):
-            data = obj.to_dict() if hasattr(obj, "to_dict") else dict(obj)
-            name = (data.get("metadata") or {}).get("name", "")
-            if op == "DELETED":
-                self.objects.pop(name, None)
-            else:
-                self.objects[name] = engines(data)
-            self._apply()
 
     async def run_once(self) -> None:
         d = self.d
         if d.source == "endpointslices":
-            await self._watch(EndpointSlice, {SERVICE_LABEL: d.name},
-                              lambda o: slice_engines(d, o))
+            await mirror(self.client, EndpointSlice, d.namespace, {SERVICE_LABEL: d.name},
+                         lambda o: slice_engines(d, o), self._apply)
             return
         pool = await self.client.get(InferencePool, d.name, namespace=d.namespace)
-        labels, ports = pool_selector(pool.to_dict() if hasattr(pool, "to_dict") else pool)
+        labels, ports = pool_selector(as_dict(pool))
         if not labels or not ports:
             raise ValueError(f"InferencePool {d.name} has no selector or no target ports")
-        await self._watch(Pod, labels, lambda o: pod_engines(d, o, ports))
+        await mirror(self.client, Pod, d.namespace, labels, lambda o: pod_engines(d, o, ports),
+                     self._apply)
 
-    async def run(self) -> None:
+    async def _forever(self, what: str, once: Callable[[], Awaitable[None]],
+                       keeping: Callable[[], str]) -> None:
+        missing = False  # a 404 (no such object or kind) is logged once, not every retry
         while True:
             try:
-                await self.run_once()
-                log.warning("discovery watch on %s ended; re-listing", self.d.name)
+                await once()
+                log.warning("%s ended; re-listing", what)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # keep the last known pool; try again
-                log.warning("discovery watch on %s failed: %r; keeping %d engine(s)",
-                            self.d.name, exc, len(self.router.engines))
+            except Exception as exc:  # keep the last known state; try again
+                if status_code(exc) != 404:
+                    log.warning("%s failed: %r; keeping %s", what, exc, keeping())
+                elif not missing:
+                    log.warning("%s: not found (404: no such object, or its "
+                                "CustomResourceDefinition is not installed); keeping %s, "
+                                "trying again every %d ms", what, keeping(), self.d.interval_ms)
+                missing = status_code(exc) == 404
             await asyncio.sleep(self.d.interval_ms / 1000)
+
+    async def run(self) -> None:
+        d = self.d
+        follows = [self._forever(f"discovery watch on {d.name}", self.run_once,
+                                 lambda: f"{len(self.router.engines)} engine(s)")]
+        if d.source == "inferencepool" and d.inference_objectives:
+            follows.append(self._forever(
+                f"InferenceObjective watch for pool {d.name}",
+                lambda: follow_objectives(self.router, d, self.client),
+                lambda: f"{len(self.router.objectives)} objective(s)"))
+        await asyncio.gather(*follows)
