@@ -103,7 +103,8 @@ class RouterCollector(Collector):
         by_priority = GaugeMetricFamily(
             "narwhal_admission_queue_length_by_priority", "Requests waiting for a slot, by "
             "their objective's priority (admission.objectives)", labels=["priority"])
-        for priority, n in self.router.scheduler.queued_by_priority().items():
+        # An empty queue is priority 0's zero: the series exists before the first wait.
+        for priority, n in (self.router.scheduler.queued_by_priority() or {0: 0}).items():
             by_priority.add_metric([str(priority)], n)
         yield by_priority
         yield GaugeMetricFamily("narwhal_requests_held", "Requests inside the retention limit",
