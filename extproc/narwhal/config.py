@@ -84,6 +84,11 @@ class Admission:
     # first; a negative priority is sheddable: refused rather than queued (README,
     # "Priorities"). Integers in [-1000, 1000].
     objectives: dict[str, int] = field(default_factory=dict)
+    # How the flows of one priority share the queue (a flow: the requests naming one
+    # x-gateway-inference-fairness-id, or llm-d's x-llm-d-inference-fairness-id; none
+    # named is one flow). none: one queue order across flows (queue_order's);
+    # round-robin: the flows take freed slots in turn (README, "Fairness").
+    fairness: str = "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +280,7 @@ class Config:
 CHOICES = {
     "admission.mode": ("predictive", "open"),
     "admission.queue_order": ("fifo", "least-work"),
+    "admission.fairness": ("none", "round-robin"),
     "serving.transport": ("asyncio", "grpcio"),
     "router.role": ("active", "standby"),
     "engines.dialect": ("vllm", "openai"),

@@ -43,6 +43,10 @@ TIMEOUT_HEADER = "x-request-timeout-ms"
 # priority is the router's objectives' (admission.objectives, under the pool's
 # InferenceObjectives where discovery follows them).
 OBJECTIVE_HEADERS = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
+# A request's flow, which admission.fairness: round-robin gives its turn (the Extension's
+# header, and llm-d's); bounded, as the queue keeps it.
+FAIRNESS_HEADERS = ("x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id")
+MAX_FLOW_BYTES = 256
 PREDICTED_HEADER = "x-narwhal-predicted-ttft-ms"
 # The Inference Extension conformance suite's test picker: a header naming the allowed
 # endpoints, and the served endpoint echoed back (router.conformance_hooks only).
@@ -142,7 +146,7 @@ class Exchange:
     __slots__ = ("router", "phase", "completion", "path", "buf", "request", "engine", "meter",
                  "relay", "assembler", "parser", "status", "terminal", "sized", "upstream_error",
                  "request_ended", "request_bytes", "response_bytes", "held", "arrival",
-                 "deadline", "budget_s", "tpot_budget_s", "priority", "ticket", "wake_at",
+                 "deadline", "budget_s", "tpot_budget_s", "priority", "flow", "ticket", "wake_at",
                  "client_headers_sent", "last_token_at", "strip", "engine_seen", "request_id",
                  "candidates", "decided_at", "ended_at", "error_code", "trace_headers", "recorded",
                  "token_id_fault", "reply", "parked", "held_bytes", "response_held",
@@ -179,6 +183,7 @@ class Exchange:
         self.budget_s = 0.0
         self.tpot_budget_s: float | None = None
         self.priority = 0  # its objective's (admission.objectives)
+        self.flow = ""  # its fairness ID (admission.fairness)
         self.ticket: Ticket | None = None
         self.wake_at: float | None = None  # when ``expire`` must run (the adapter's timer)
         self.client_headers_sent = False
@@ -257,6 +262,13 @@ class Exchange:
         if objectives:
             objective = next((headers[k] for k in OBJECTIVE_HEADERS if k in headers), "")
             self.priority = objectives.get(objective, 0)
+        if adm.fairness != "none":
+            flow = next((headers[k] for k in FAIRNESS_HEADERS if k in headers), "")
+            if len(flow.encode()) > MAX_FLOW_BYTES:
+                return self._refuse(errors.invalid_request(
+                    f"header {FAIRNESS_HEADERS[0]}: at most {MAX_FLOW_BYTES} bytes",
+                    FAIRNESS_HEADERS[0]))
+            self.flow = flow
         self.deadline = now + timeout_ms / 1000
         self._arm(min(self.deadline, self._body_end()))
         self.phase = Phase.REQUEST_BODY
@@ -365,7 +377,7 @@ class Exchange:
         now = self.router.clock()
         self.ticket = Ticket(self, m.tokens, self.arrival, self.budget_s, self.deadline,
                              candidates=self.candidates, tpot_budget_s=self.tpot_budget_s,
-                             priority=self.priority)
+                             priority=self.priority, flow=self.flow)
         self.router.scheduler.annotate(self.ticket, req.chat, req.body, req.max_tokens,
                                        m.prompt)
         if not self._take(self.ticket.held()):  # its prompt's hashes, held to its end

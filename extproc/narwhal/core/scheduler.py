@@ -11,7 +11,9 @@ first); a ticket that waits holds back later ones only on the engines it could u
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +99,9 @@ class Ticket:
     # Its objective's (``admission.objectives``): queued, a higher one goes first; a
     # negative one is shed rather than queued.
     priority: int = 0
+    # Its flow (x-gateway-inference-fairness-id; "" for none): with admission.fairness
+    # round-robin, the flows of one priority take freed slots in turn.
+    flow: str = ""
 
     def held(self) -> int:
         """About the bytes its prompt's hashes hold (``BLOCK_HELD``)."""
@@ -142,6 +147,10 @@ class Scheduler:
         self.prompt_ids: PromptIds | None = None  # with KV events: exact prompt IDs
         self.queued_tokens = 0
         self.prioritized = 0  # queued tickets with a priority other than 0
+        # admission.fairness round-robin: the flow each priority last dispatched from the
+        # queue (the turn passes to the next flow by name); at most one per priority.
+        self.fair = config.admission.fairness == "round-robin"
+        self.last_flow: dict[int, str] = {}
         # When recent requests left the queue since it last formed: its measured drain
         # rate (a queue emptied by dispatch or by clients leaving alike). Charging the
         # queue at prefill speed alone misses the engines' own limits (a full decode
@@ -189,7 +198,9 @@ class Scheduler:
         # rates only then: they are a walk of the pool's models per request).
         shares = [0.0] * len(engines)
         queued = self.queued_tokens
-        if queued and (self.prioritized or t.priority):  # only what it will not overtake
+        if queued and self.fair:  # only what goes before it
+            queued = sum(q.tokens for q in self._fair_ahead(t))
+        elif queued and (self.prioritized or t.priority):  # only what it will not overtake
             queued = sum(q.tokens for q in self.queue if q.priority >= t.priority)
         if queued:
             rates = [min(1e9, e.model.learned_prefill_tps) for e in engines]
@@ -287,7 +298,9 @@ class Scheduler:
         if not self.queue or len(d) < DRAIN_MIN:
             return 0.0
         ahead = len(self.queue)
-        if t is not None and (self.prioritized or t.priority):  # a lower priority is not ahead
+        if t is not None and self.fair:
+            ahead = len(self._fair_ahead(t))
+        elif t is not None and (self.prioritized or t.priority):  # a lower priority is not ahead
             least_work = self.least_work
             ahead = sum(1 for q in self.queue if q.priority > t.priority or (
                 q.priority == t.priority and (not least_work or q.work_order <= t.work_order)))
@@ -379,12 +392,71 @@ class Scheduler:
         cheapest first, the same engines finish more requests within their budgets
         (docs/measurements.md, "Twenty-sixth session"). Queued requests of a higher
         priority (``admission.objectives``) come before any of a lower, in that order
-        among themselves."""
+        among themselves. With ``admission.fairness: round-robin`` the flows of one
+        priority then take turns (``_fair_order``)."""
+        order = self._queue_order()
+        return self._fair_order(order) if self.fair else order
+
+    def _queue_order(self) -> list[Ticket]:
+        """``_in_order`` before the flows' turns."""
         if self.least_work:
             return sorted(self.queue, key=_ranked_work if self.prioritized else _work_order)
         if self.prioritized:
             return sorted(self.queue, key=_priority_first)  # stable: FIFO within one
         return list(self.queue)
+
+    def _fair_order(self, order: list[Ticket]) -> list[Ticket]:
+        """Round-robin between the flows of each priority, as the Inference Extension's
+        flow control does (x-gateway-inference-fairness-id): the band's flows in name
+        order from the one after the flow it last dispatched, each flow's first ticket,
+        then each one's second, and so on, every flow's own in ``order``. Why: in one
+        queue order a client that sends many requests at once is ahead of everyone who
+        comes after it, and predictive admission refuses the others for the wait it
+        causes; in turns each flow waits behind at most as many of another's requests
+        as it has queued itself."""
+        out: list[Ticket] = []
+        i = 0
+        while i < len(order):
+            priority = order[i].priority
+            flows: dict[str, list[Ticket]] = {}
+            while i < len(order) and order[i].priority == priority:
+                flows.setdefault(order[i].flow, []).append(order[i])
+                i += 1
+            turn = self._turns(flows, priority)
+            for rank in range(max(len(f) for f in flows.values())):
+                out.extend(flows[name][rank] for name in turn if rank < len(flows[name]))
+        return out
+
+    def _turns(self, flows: Iterable[str], priority: int) -> list[str]:
+        """The band's flows in the order of their turns: by name, from the one after the
+        flow it last dispatched."""
+        names = sorted(flows)
+        start = bisect.bisect_right(names, self.last_flow[priority]) if (
+            priority in self.last_flow) else 0
+        return names[start:] + names[:start]
+
+    def _fair_ahead(self, t: Ticket) -> list[Ticket]:
+        """The queued tickets that ``_fair_order`` puts before ``t`` were it to join: every
+        one of a higher priority; of its own flow, those before it in queue order; of
+        another flow of its priority, as many as take turns before its own comes (its
+        rank in its flow, one more for a flow whose turn precedes its flow's)."""
+        own: list[Ticket] = []
+        others: dict[str, list[Ticket]] = {}
+        ahead = []
+        for q in self._queue_order():
+            if q.priority > t.priority:
+                ahead.append(q)
+            elif q.priority == t.priority:
+                if q.flow != t.flow:
+                    others.setdefault(q.flow, []).append(q)
+                elif not self.least_work or q.work_order <= t.work_order:
+                    own.append(q)
+        rank = len(own)
+        turn = self._turns([*others, t.flow], t.priority)
+        before = set(turn[:turn.index(t.flow)])
+        for name, tickets in others.items():
+            ahead += tickets[:rank + (name in before)]
+        return ahead + own
 
     def pump(self, now: float, if_slot_free: bool = False) -> list[Ticket]:
         """Dispatch queued tickets in queue order (``_in_order``; oldest first by
@@ -469,6 +541,8 @@ class Scheduler:
         self.dequeue(t)
         self.drained.append(now)
         out.append(t)
+        if self.fair and t.refusal is None:  # its flow had its turn
+            self.last_flow[t.priority] = t.flow
 
     def _any_slot(self, engines: list[EngineState]) -> bool:
         return any(e.has_slot(self.config.scheduler) for e in engines)
