@@ -187,6 +187,7 @@ class Result:
     retry_after_ms: str | None = None
     should_retry: str | None = None
     objective: str = ""  # the InferenceObjective it named (``--interactive``), if any
+    flow: str = ""  # the fairness ID it named (``--heavy``), if any
 
 
 # ``--interactive``: the share of requests that name this objective, and its priority in
@@ -201,13 +202,28 @@ def objective_of(seed: int, interactive: float) -> str:
     return INTERACTIVE if interactive and random.Random(seed).random() < interactive else ""
 
 
+# ``--heavy``: two clients of the pool, by fairness ID (x-gateway-inference-fairness-id):
+# one sends this share of the requests, the other the rest.
+HEAVY, LIGHT = "heavy", "light"
+
+
+def flow_of(seed: int, heavy: float) -> str:
+    """The fairness ID request ``seed`` names with ``--heavy`` (none without): drawn from
+    the seed alone, apart from ``objective_of``'s draw."""
+    if not heavy:
+        return ""
+    return HEAVY if random.Random(~seed).random() < heavy else LIGHT
+
+
 async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: int,
-              interactive: float = 0.0) -> Result:
+              interactive: float = 0.0, heavy: float = 0.0) -> Result:
     messages, body = work.request(seed)
-    objective = objective_of(seed, interactive)
+    objective, flow = objective_of(seed, interactive), flow_of(seed, heavy)
     headers = {"x-gateway-inference-objective": objective} if objective else {}
+    if flow:
+        headers["x-gateway-inference-fairness-id"] = flow
     result, reply = await stream(session, url, body, headers)
-    result.objective = objective
+    result.objective, result.flow = objective, flow
     if result.end is not None:
         work.answered(messages, "".join(reply))
     return result
@@ -285,7 +301,8 @@ CLIENT_TIMEOUT_GPU_S = 10.0
 async def drive(url: str, rate: float, duration: float, seed: int, work: Workload,
                 timeout_s: float,
                 at: tuple[tuple[float, Callable[[], Awaitable[None]]], ...] = (),
-                warmup: float = 0.0, interactive: float = 0.0) -> list[Result]:
+                warmup: float = 0.0, interactive: float = 0.0, heavy: float = 0.0
+                ) -> list[Result]:
     """Poisson arrivals at ``rate`` for ``warmup`` + ``duration`` s, each given up after
     ``timeout_s``; the requests that arrived during the warm-up are not returned. ``at``:
     (seconds after the warm-up, coroutine function) pairs, started then (counter
@@ -306,7 +323,7 @@ async def drive(url: str, rate: float, duration: float, seed: int, work: Workloa
                 break
             await asyncio.sleep(max(0.0, t - time.monotonic()))
             tasks.append(asyncio.ensure_future(one(session, url, work, seed * 100000 + i,
-                                                   interactive)))
+                                                   interactive, heavy)))
             i += 1
         done = await asyncio.gather(*tasks)
         return [r for r in done if isinstance(r, Result) and r.start >= measured]
@@ -674,7 +691,7 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace, mix: M
                                             Workload(random.Random(args.seed + 1), mix),
                                             CLIENT_TIMEOUT_GPU_S * args.time_scale,
                                             ((0.0, measured), (args.duration, arrivals_end)),
-                                            args.warmup, args.interactive))
+                                            args.warmup, args.interactive, args.heavy))
                 before, index0 = marks["engines"], marks["index"]
                 if watch is not None:
                     watch.stop()
@@ -703,13 +720,17 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace, mix: M
                         f"{n} {predicted[n]:.2f}/{actual[n]:.2f}" for n in gaps),
                         file=sys.stderr)
                 rows.append((policy, load, rate, row))
-                if args.interactive:  # each class apart: its own goodput and in-budget share
-                    for tag, objective in (("int", INTERACTIVE), ("rest", "")):
-                        part = [r for r in results if r.objective == objective]
-                        if part:
-                            rows.append((f"{policy}:{tag}", load, rate,
-                                         summarize(part, args.duration, budget_s,
-                                                   args.time_scale)))
+                # each class apart: its own goodput and in-budget share
+                classes = [(tag, lambda r, o=objective: r.objective == o) for tag, objective in
+                           (("int", INTERACTIVE), ("rest", "")) if args.interactive]
+                classes += [(flow, lambda r, f=flow: r.flow == f) for flow in (HEAVY, LIGHT)
+                            if args.heavy]
+                for tag, member in classes:
+                    part = [r for r in results if member(r)]
+                    if part:
+                        rows.append((f"{policy}:{tag}", load, rate,
+                                     summarize(part, args.duration, budget_s,
+                                               args.time_scale)))
                 print(f"  {policy} {load:g}x done", file=sys.stderr, flush=True)
                 idle([f"http://127.0.0.1:{s.port}" for s in pool.sims])
         finally:
@@ -847,6 +868,10 @@ def main() -> int:
                         help="this share of requests name the InferenceObjective "
                              f"'{INTERACTIVE}', priority {INTERACTIVE_PRIORITY} in every "
                              "Narwhal policy; each class is reported apart too")
+    parser.add_argument("--heavy", type=float, default=0.0, metavar="SHARE",
+                        help="two clients by fairness ID: 'heavy' sends this share of the "
+                             "requests, 'light' the rest; each reported apart too (compare "
+                             "--set admission.fairness=round-robin)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a Narwhal setting over every Narwhal policy's own (repeatable; "
                              "VALUE is YAML), e.g. scheduler.max_prefill_per_engine=10")
@@ -886,6 +911,7 @@ def main() -> int:
           f"--policies {args.policies} --seed {args.seed} --workload {args.workload} "
           f"--tenants {args.tenants} --warmup {args.warmup:g}"
           f"{f' --interactive {args.interactive:g}' if args.interactive else ''}"
+          f"{f' --heavy {args.heavy:g}' if args.heavy else ''}"
           f"{' --drift --drift-policy ' + args.drift_policy if args.drift else ''}{sets}")
     print(f"{'policy':19} {'load':>4} {'req/s':>6} {'goodput':>7} {'2nd half':>8} {'in-budget':>9} "
           f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TPOT p50':>8} {'p99':>6} {'refused':>7} "

@@ -147,7 +147,8 @@ def test_least_work_order_serves_the_cheaper_request_first(least_work_stack):
 def objectives_stack():
     yield from _stack([SimSpec("slow", args=["--tpot-ms", "10"])],
                       {"admission": {"mode": "open", "queue_limit": 4,
-                                     "objectives": {"interactive": 10, "batch": -1}},
+                                     "objectives": {"interactive": 10, "batch": -1},
+                                     "fairness": "round-robin"},
                        "scheduler": SERIAL})
 
 
@@ -169,6 +170,28 @@ def test_a_higher_priority_objective_takes_the_freed_slot_first(objectives_stack
     done = list(concurrent.futures.as_completed([usual, urgent]))
     assert [f.result().status_code for f in done] == [200, 200]
     assert done == [urgent, usual]
+
+
+def test_round_robin_fairness_serves_a_flow_that_queued_later_in_its_turn(objectives_stack):
+    """admission.fairness round-robin: behind a running request, flow "a" queues three
+    requests, then flow "b" one (the Inference Extension's fairness-ID header, and
+    llm-d's); b's takes the second freed slot, a's first having taken the first, and
+    completes before a's other two (in arrival order it would complete last)."""
+    st = objectives_stack
+    first = background(st, {"max_tokens": 80})  # ~0.8 s
+    wait_for(st, lambda s: s["engines"][0]["in_flight"] == 1)
+    flow_a = []
+    for i in range(3):
+        header = ("x-gateway-inference-fairness-id" if i % 2 else
+                  "x-llm-d-inference-fairness-id")
+        flow_a.append(background(st, {"max_tokens": 3}, {header: "a"}))
+        wait_for(st, lambda s, n=i + 1: s["requests"]["queued"] == n)
+    flow_b = background(st, {"max_tokens": 3}, {"x-gateway-inference-fairness-id": "b"})
+    wait_for(st, lambda s: s["requests"]["queued"] == 4)
+    assert first.result().status_code == 200
+    done = list(concurrent.futures.as_completed([*flow_a, flow_b]))
+    assert [f.result().status_code for f in done] == [200] * 4
+    assert done.index(flow_b) == 1 and done[0] is flow_a[0]
 
 
 def test_a_sheddable_objective_is_refused_rather_than_queued(objectives_stack):

@@ -277,3 +277,20 @@ def test_the_interactive_share_is_drawn_from_the_seed_alone():
     assert set(picked) == {INTERACTIVE, ""}
     assert 0.22 < picked.count(INTERACTIVE) / len(picked) < 0.28
     assert {objective_of(s, 0.0) for s in seeds} == {""}
+
+
+def test_the_heavy_share_is_drawn_from_the_seed_alone_apart_from_the_objective():
+    """``--heavy``: every request names one of two fairness IDs, the same whatever the
+    policy, in about the share asked for, and drawn apart from ``--interactive``'s
+    objective (the heavy client's requests are no likelier to be interactive)."""
+    from bench.scheduling import HEAVY, INTERACTIVE, LIGHT, flow_of, objective_of
+
+    seeds = range(100_000, 104_000)
+    flows = [flow_of(s, 0.75) for s in seeds]
+    assert flows == [flow_of(s, 0.75) for s in seeds]
+    assert set(flows) == {HEAVY, LIGHT}
+    assert 0.72 < flows.count(HEAVY) / len(flows) < 0.78
+    heavy = [s for s, f in zip(seeds, flows, strict=True) if f == HEAVY]
+    share = sum(objective_of(s, 0.25) == INTERACTIVE for s in heavy) / len(heavy)
+    assert 0.21 < share < 0.29
+    assert {flow_of(s, 0.0) for s in seeds} == {""}
