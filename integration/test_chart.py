@@ -285,6 +285,9 @@ def test_ha_grants_lease_rbac_and_turns_leader_election_on():
     (["--set", "engines.discovery.enabled=true"], "/engines/discovery/service"),
     (["--set", "config.admission.mode=eager"], "/config/admission/mode"),
     (["--set", "config.admission.objectives.batch=-2000"], "/config/admission/objectives/batch"),
+    (["--set", "config.admission.fairness=fair"], "/config/admission/fairness"),
+    (["--set", "engines.discovery.inferenceObjectives=yes"],
+     "/engines/discovery/inferenceObjectives"),
 ])
 def test_schema_rejects_bad_values(bad, where):
     out = subprocess.run([helm(), "template", "narwhal", str(CHART), *bad],
