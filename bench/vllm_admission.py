@@ -36,15 +36,31 @@ import math
 import random
 import sys
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 import aiohttp
+import orjson
 from integration.vllm.engine import SERVED_MODEL, VllmServer, built_model
 
 from bench import names, run_arguments, scratch
-from bench.scheduling import Result, StatusTrace, _fmt, dump, profiled, stream, summarize
+from bench.scheduling import (
+    HEAVY,
+    INTERACTIVE,
+    INTERACTIVE_PRIORITY,
+    LIGHT,
+    Result,
+    StatusTrace,
+    _fmt,
+    dump,
+    flow_of,
+    objective_of,
+    profiled,
+    stream,
+    summarize,
+)
 from narwhal.launch import Stack
 
 # Narwhal's settings by path: its defaults, and the goodput settings the scheduling
@@ -54,6 +70,13 @@ NARWHAL_PATHS: dict[str, dict] = {
     "narwhal": {},
     "least-work": {"admission": {"queue_order": "least-work"},
                    "scheduler": {"max_prefill_tokens_per_engine": 1536}},
+    # The same with priorities by objective (``--interactive``) and turns between
+    # clients (``--heavy``), to run beside least-work with the same requests.
+    "prioritized": {"admission": {"queue_order": "least-work",
+                                  "objectives": {INTERACTIVE: INTERACTIVE_PRIORITY}},
+                    "scheduler": {"max_prefill_tokens_per_engine": 1536}},
+    "fair": {"admission": {"queue_order": "least-work", "fairness": "round-robin"},
+             "scheduler": {"max_prefill_tokens_per_engine": 1536}},
 }
 PATHS = (*NARWHAL_PATHS, "direct")
 WORDS = ("the quick brown fox jumps over lazy dog narwhal tusk ocean arctic ice whale pod "
@@ -89,6 +112,23 @@ def request_body(rng: random.Random) -> dict:
 
 async def one(session: aiohttp.ClientSession, url: str, body: dict) -> Result:
     return (await stream(session, url, body))[0]
+
+
+def classed(interactive: float, heavy: float
+            ) -> Callable[[aiohttp.ClientSession, str, dict], Awaitable[Result]]:
+    """``one``, naming the objective and fairness ID ``bench.scheduling`` draws
+    (``--interactive``, ``--heavy``), from the request's prompt: the same requests in
+    every path, since the bodies are drawn from the seed."""
+    async def send(session: aiohttp.ClientSession, url: str, body: dict) -> Result:
+        key = zlib.crc32(orjson.dumps(body["messages"]))
+        objective, flow = objective_of(key, interactive), flow_of(key, heavy)
+        headers = {"x-gateway-inference-objective": objective} if objective else {}
+        if flow:
+            headers["x-gateway-inference-fairness-id"] = flow
+        result = (await stream(session, url, body, headers))[0]
+        result.objective, result.flow = objective, flow
+        return result
+    return send
 
 
 class Sent(Protocol):
@@ -192,8 +232,16 @@ def capacity_of(engine: VllmServer, given: float) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--interactive", type=float, default=0.0, metavar="SHARE",
+                        help=f"this share of requests name the objective '{INTERACTIVE}' "
+                             "(priority on the path prioritized); reported apart too")
+    parser.add_argument("--heavy", type=float, default=0.0, metavar="SHARE",
+                        help=f"two clients by fairness ID: '{HEAVY}' sends this share of "
+                             f"the requests, '{LIGHT}' the rest (turns on the path fair); "
+                             "reported apart too")
     cell_arguments(parser)
     args = parser.parse_args()
+    send = classed(args.interactive, args.heavy) if args.interactive or args.heavy else one
     loads = [float(x) for x in args.loads.split(",")]
     paths = names(parser, args.paths, PATHS, "path")
     budget_s = args.budget_ms / 1000
@@ -214,13 +262,22 @@ def main() -> int:
                         trace = (StatusTrace(stack, Path(args.samples) / f"{name}.status.jsonl")
                                  if stack is not None and args.samples else None)
                         results = asyncio.run(drive(url, load * capacity, args.warmup,
-                                                    args.duration, args.seed))
+                                                    args.duration, args.seed, send))
                         if trace is not None:
                             trace.stop()
                         if args.samples:
                             dump(results, Path(args.samples) / f"{name}.jsonl")
                         rows.append((path, load, summarize(results, args.duration, budget_s,
                                                            1.0)))
+                        parts = [(":int", lambda r: r.objective == INTERACTIVE),
+                                 (":rest", lambda r: r.objective != INTERACTIVE)
+                                 ] if args.interactive else []
+                        parts += [(f":{f}", lambda r, f=f: r.flow == f)
+                                  for f in (HEAVY, LIGHT)] if args.heavy else []
+                        for tag, member in parts:
+                            if part := [r for r in results if member(r)]:
+                                rows.append((path + tag, load,
+                                             summarize(part, args.duration, budget_s, 1.0)))
                         print(f"  {name} done", file=sys.stderr)
                 finally:
                     if stack is not None:
@@ -232,13 +289,15 @@ def main() -> int:
           f"{' (given)' if args.capacity else ' (measured)'}")
     print(f"reproduce: python -m bench.vllm_admission --duration {args.duration:g} --warmup "
           f"{args.warmup:g} --loads {args.loads} --budget-ms {args.budget_ms} --capacity "
-          f"{capacity:.2f} --paths {args.paths} --seed {args.seed}")
-    print(f"{'path':10} {'load':>4} {'req/s':>6} {'goodput':>7} {'in-budget':>9} {'TTFT p50':>8} "
+          f"{capacity:.2f} --paths {args.paths} --seed {args.seed}"
+          f"{f' --interactive {args.interactive:g}' if args.interactive else ''}"
+          f"{f' --heavy {args.heavy:g}' if args.heavy else ''}")
+    print(f"{'path':16} {'load':>4} {'req/s':>6} {'goodput':>7} {'in-budget':>9} {'TTFT p50':>8} "
           f"{'p90':>7} {'p99':>7} {'refused':>7} {'other':>5} {'pred p50/p90/MAPE':>19}")
     for path, load, s in rows:
         err = (f"{_fmt(s['err50'], True)}/{_fmt(s['err90'], True)}/{_fmt(s['mape'], True)}"
                if s["err50"] is not None else "-")
-        print(f"{path:10} {load:>4g} {s['offered'] / args.duration:6.2f} {s['goodput']:7.2f} "
+        print(f"{path:16} {load:>4g} {s['offered'] / args.duration:6.2f} {s['goodput']:7.2f} "
               f"{s['in_budget']:9.1%} {_fmt(s['ttft50']):>8} {_fmt(s['ttft90']):>7} "
               f"{_fmt(s['ttft99']):>7} {s['refused']:7.1%} {s['other']:5d} {err:>19}")
     return 0
