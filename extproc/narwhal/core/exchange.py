@@ -264,7 +264,7 @@ class Exchange:
             self.priority = objectives.get(objective, 0)
         if adm.fairness != "none":
             flow = next((headers[k] for k in FAIRNESS_HEADERS if k in headers), "")
-            if len(flow.encode()) > MAX_FLOW_BYTES:
+            if len(flow) > MAX_FLOW_BYTES:  # header values arrive as latin-1: bytes
                 return self._refuse(errors.invalid_request(
                     f"header {FAIRNESS_HEADERS[0]}: at most {MAX_FLOW_BYTES} bytes",
                     FAIRNESS_HEADERS[0]))
