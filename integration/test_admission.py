@@ -187,7 +187,9 @@ def test_round_robin_fairness_serves_a_flow_that_queued_later_in_its_turn(object
         flow_a.append(background(st, {"max_tokens": 3}, {header: "a"}))
         wait_for(st, lambda s, n=i + 1: s["requests"]["queued"] == n)
     flow_b = background(st, {"max_tokens": 3}, {"x-gateway-inference-fairness-id": "b"})
-    wait_for(st, lambda s: s["requests"]["queued"] == 4)
+    assert wait_for(st, lambda s: s["requests"]["queued"] == 4)["requests"]["queued_flows"] == 2
+    scraped = httpx.get(f"{st.admin_url}/metrics", timeout=5).text
+    assert "narwhal_admission_queue_flows 2.0" in scraped
     assert first.result().status_code == 200
     done = list(concurrent.futures.as_completed([*flow_a, flow_b]))
     assert [f.result().status_code for f in done] == [200] * 4

@@ -556,6 +556,11 @@ class Scheduler:
             counts[t.priority] = counts.get(t.priority, 0) + 1
         return counts
 
+    def queued_flows(self) -> int:
+        """How many flows (fairness IDs) have a request waiting; those naming none are
+        one flow."""
+        return len({t.flow for t in self.queue})
+
     def dequeue(self, t: Ticket) -> None:
         if t.queued_at is not None:
             self.queue.remove(t)

@@ -134,6 +134,7 @@ def admin_app(router: Router, token: str | None = None,
                          "queued": len(router.scheduler.queue),
                          "queued_by_priority": {str(p): n for p, n in sorted(
                              router.scheduler.queued_by_priority().items(), reverse=True)},
+                         "queued_flows": router.scheduler.queued_flows(),
                          "terminal": acct.terminal},
             "workers": workers() if workers is not None else [],
             "sizing": {"bytes_per_token": round(router.sizer.bytes_per_token, 3),

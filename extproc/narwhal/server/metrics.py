@@ -107,6 +107,10 @@ class RouterCollector(Collector):
         for priority, n in (self.router.scheduler.queued_by_priority() or {0: 0}).items():
             by_priority.add_metric([str(priority)], n)
         yield by_priority
+        # A count, not a label per flow: the fairness IDs are the clients' to choose.
+        yield GaugeMetricFamily("narwhal_admission_queue_flows", "Flows (fairness IDs, "
+                                "admission.fairness) with a request waiting for a slot",
+                                value=self.router.scheduler.queued_flows())
         yield GaugeMetricFamily("narwhal_requests_held", "Requests inside the retention limit",
                                 value=self.router.held)
         yield GaugeMetricFamily("narwhal_held_bytes", "Request bodies and assembled responses "
