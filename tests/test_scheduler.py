@@ -1135,3 +1135,39 @@ def test_the_queue_keeps_its_priority_invariants(operations, order, mode, fairne
                     seen[flow] += 1
                     assert all(seen[flow] <= seen[g] + 1 or seen[g] == total[g]
                                for g in total), band
+
+
+QUEUED = st.lists(st.tuples(st.sampled_from([0, 0, 3]), st.sampled_from(["", "a", "b", "c"]),
+                            st.integers(0, 5)), max_size=24)
+
+
+@settings(max_examples=int(os.environ.get("NARWHAL_FUZZ_EXAMPLES", "150")), deadline=None)
+@given(QUEUED, st.tuples(st.sampled_from([0, 3]), st.sampled_from(["", "a", "b", "d"]),
+                         st.integers(0, 5)),
+       st.sampled_from(["fifo", "least-work"]),
+       st.dictionaries(st.sampled_from([0, 3]), st.sampled_from(["", "a", "b", "c", "z"])))
+def test_the_wait_charged_is_the_turns_the_order_puts_first(queued, joining, order, last):
+    """``_fair_ahead`` (what a joining request is charged) and ``_fair_order`` (the order
+    the pump walks) are written apart: for any queue of priorities, flows and amounts of
+    work, any flows last served and either queue order, the requests charged ahead of a
+    joining one are exactly those the order puts before it once it has joined."""
+    router, _, _ = make_router(admission={"fairness": "round-robin", "queue_order": order})
+    s = router.scheduler
+    s.last_flow = dict(last)
+
+    def join(priority: int, flow: str, work: int) -> Ticket:
+        t = flowing(router, flow, priority)
+        t.work_order = float(work)
+        s.queue.append(t)
+        s.prioritized += bool(priority)
+        return t
+
+    for args in queued:
+        join(*args)
+    priority, flow, work = joining
+    probe = flowing(router, flow, priority)
+    probe.work_order = float(work)
+    charged = {id(q) for q in s._fair_ahead(probe)}
+    t = join(priority, flow, work)
+    walked = s._in_order()
+    assert charged == {id(q) for q in walked[:walked.index(t)]}
