@@ -98,6 +98,38 @@ def test_endpointslices_of_a_service_are_the_pool(world):
         stack.stop()
 
 
+def test_an_edit_of_the_inferencepool_is_followed_at_once(world):
+    """The pool's selector and target ports are followed, not read once: selecting other
+    Pods moves the pool to them, and a second target port adds the engine on it."""
+    ports = world["ports"]
+    put(world, POOLS, {"metadata": {"name": "moving"}, "spec": {
+        "selector": {"matchLabels": {"app": "mv-a"}}, "targetPorts": [{"number": ports["a"]}],
+        "endpointPickerRef": {"name": "narwhal", "port": {"number": 9002}}}})
+    for name, app in (("mv-a-0", "mv-a"), ("mv-b-0", "mv-b")):
+        put(world, PODS, {"metadata": {"name": name, "labels": {"app": app}},
+                          "status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [
+                              {"type": "Ready", "status": "True"}]}})
+    stack = router(world, name="moving", source="inferencepool")
+    try:
+        a, b, c = (f"127.0.0.1:{ports[x]}" for x in "abc")
+        wait_for(lambda: eligible(stack) == {a})
+        assert served_by(stack) == "a"
+        edited = {"metadata": {"name": "moving"}, "spec": {
+            "selector": {"matchLabels": {"app": "mv-b"}}, "targetPorts": [{"number": ports["b"]}],
+            "endpointPickerRef": {"name": "narwhal", "port": {"number": 9002}}}}
+        put(world, POOLS, edited, "PUT")
+        wait_for(lambda: eligible(stack) == {b} and names(stack) == {f"mv-b-0:{ports['b']}"})
+        assert served_by(stack) == "b"
+        edited["spec"]["targetPorts"].append({"number": ports["c"]})
+        put(world, POOLS, edited, "PUT")
+        wait_for(lambda: eligible(stack) == {b, c})
+        log = stack.proc("narwhal").log.read_text()
+        assert "discovery watch on moving failed" not in log  # followed, not re-listed
+        assert log.count("InferencePool moving changed its selector") == 2
+    finally:
+        stack.stop()
+
+
 def test_pods_an_inferencepool_selects_are_the_pool_and_survive_an_api_outage(world):
     port_c = world["ports"]["c"]
     put(world, POOLS, {"metadata": {"name": "pool"}, "spec": {

@@ -2,9 +2,10 @@
 
 ``source: endpointslices`` watches the EndpointSlices of a Service (label
 ``kubernetes.io/service-name``): every ready address is an engine on the slice's port.
-``source: inferencepool`` reads an InferencePool (Gateway API Inference Extension) and
-watches the Pods its selector matches: every running, ready Pod is an engine on each of
-the pool's target ports (and follows the pool's InferenceObjectives: ``kube_objectives``).
+``source: inferencepool`` follows an InferencePool (Gateway API Inference Extension) and
+the Pods its selector matches: every running, ready Pod is an engine on each of the
+pool's target ports; an edit of the pool's selector or ports moves the pool at once (and
+the pool's InferenceObjectives are followed too: ``kube_objectives``).
 Changes reconcile the pool as DNS discovery does: new endpoints join (eligible after their
 first scrape and profile), vanished ones are retired and dropped once drained. A watch
 that fails is re-established (re-listing first) after ``interval_ms``; meanwhile the last
@@ -109,12 +110,45 @@ class KubernetesDiscovery:
             await mirror(self.client, EndpointSlice, d.namespace, {SERVICE_LABEL: d.name},
                          lambda o: slice_engines(d, o), self._apply)
             return
-        pool = await self.client.get(InferencePool, d.name, namespace=d.namespace)
-        labels, ports = pool_selector(as_dict(pool))
-        if not labels or not ports:
-            raise ValueError(f"InferencePool {d.name} has no selector or no target ports")
-        await mirror(self.client, Pod, d.namespace, labels, lambda o: pod_engines(d, o, ports),
-                     self._apply)
+        while True:
+            pool = await self.client.get(InferencePool, d.name, namespace=d.namespace)
+            selected = pool_selector(as_dict(pool))
+            if not selected[0] or not selected[1]:
+                raise ValueError(f"InferencePool {d.name} has no selector or no target ports")
+            if not await self._pods_until_the_pool_changes(selected):
+                return
+            log.info("InferencePool %s changed its selector or target ports: following "
+                     "the Pods it selects now", d.name)
+
+    async def _pods_until_the_pool_changes(
+            self, selected: tuple[dict[str, str], list[int]]) -> bool:
+        """Follow the Pods ``selected`` (the pool's selector and target ports) while
+        following the pool itself: True once the pool selects otherwise (an edit of its
+        selector or ports takes effect at once, not at the next failure of a watch);
+        False when a watch ends; a watch's error is raised."""
+        d = self.d
+        labels, ports = selected
+        moved = asyncio.Event()
+
+        def pool_changed(pools: dict[str, tuple[dict[str, str], list[int]]]) -> None:
+            now = pools.get(d.name)
+            if now is not None and now != selected:
+                moved.set()
+
+        tasks = [asyncio.ensure_future(mirror(self.client, Pod, d.namespace, labels,
+                                              lambda o: pod_engines(d, o, ports), self._apply)),
+                 asyncio.ensure_future(mirror(self.client, InferencePool, d.namespace, None,
+                                              pool_selector, pool_changed)),
+                 asyncio.ensure_future(moved.wait())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # a watch's error ends this follow (the caller lists again)
+            return moved.is_set()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _forever(self, what: str, once: Callable[[], Awaitable[None]],
                        keeping: Callable[[], str]) -> None:
