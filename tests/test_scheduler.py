@@ -962,6 +962,8 @@ def test_a_request_names_its_objective_by_either_header():
         assert ex.ticket is not None and ex.ticket.priority == priority, headers
         assert isinstance(sent[0], Headers)
         close(router, ex)
+        record = ex.record()
+        assert record is not None and record.priority == priority  # what tracing reads
 
 
 def test_the_queue_is_counted_by_priority():
@@ -1042,6 +1044,8 @@ def test_a_request_names_its_flow_by_either_header_within_a_bound():
         ex, sent = start(router, 10, headers)
         assert ex.ticket is not None and ex.ticket.flow == flow, headers
         close(router, ex)
+        record = ex.record()
+        assert record is not None and record.flow == flow  # what tracing reads
     ex, sent = start(router, 10, {"x-gateway-inference-fairness-id": "x" * 257})
     assert ex.ticket is None and isinstance(sent[0], Immediate)
     err = sent[0].error

@@ -51,3 +51,12 @@ def test_a_request_that_expired_in_the_queue_has_no_upstream_span():
     assert set(got) == {"narwhal.request", "narwhal.admission", "narwhal.queue"}
     assert not got["narwhal.request"].status.is_ok
 
+
+
+def test_the_admission_span_says_the_priority_and_the_flow():
+    """An operator auditing priorities and turns finds them on the admission span: the
+    objective's priority always, the fairness ID where the request had one."""
+    adm = spans(replace(BASE, priority=10, flow="tenant-a"))["narwhal.admission"].attributes
+    assert adm["narwhal.priority"] == 10 and adm["narwhal.flow"] == "tenant-a"
+    adm = spans(BASE)["narwhal.admission"].attributes
+    assert adm["narwhal.priority"] == 0 and "narwhal.flow" not in adm

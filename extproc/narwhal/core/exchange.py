@@ -1003,7 +1003,7 @@ class Exchange:
             predicted_ttft_s=t.predicted_ttft_s if t else None, budget_s=self.budget_s,
             prompt_tokens=prompt if isinstance(prompt, int) else (t.tokens if t else None),
             output_tokens=meter.output_tokens if meter is not None else None,
-            trace_headers=self.trace_headers)
+            trace_headers=self.trace_headers, priority=self.priority, flow=self.flow)
 
 
 def _fragmented(pieces: int, size: int, min_bytes: int) -> bool:

@@ -33,3 +33,5 @@ class ExchangeRecord:
     output_tokens: int | None
     # W3C trace context the client (or Envoy) sent: traceparent, tracestate.
     trace_headers: tuple[tuple[str, str], ...]
+    priority: int = 0  # its objective's (the router's objectives)
+    flow: str = ""  # its fairness ID (admission.fairness round-robin)

@@ -67,7 +67,9 @@ class Tracer:
                                      start_time=ns(r.arrival), attributes={
                                          "narwhal.ttft_budget_ms": round(r.budget_s * 1000),
                                          "narwhal.admitted": r.dispatched_at is not None
-                                         or r.queued})
+                                         or r.queued, "narwhal.priority": r.priority})
+        if r.flow:
+            adm.set_attribute("narwhal.flow", r.flow)
         if r.dispatched_at is None and r.error_code:
             adm.set_attribute("narwhal.refusal", r.error_code)
         adm.end(end_time=ns(decided))
