@@ -1036,6 +1036,34 @@ def test_a_joining_request_is_charged_the_wait_of_the_turns_before_its_own():
         assert 0 <= a.predicted_ttft_s - c.predicted_ttft_s - (waits["a"] - waits["c"]) < 0.1
 
 
+def test_in_the_least_work_order_the_queued_tokens_charged_are_its_whole_flows():
+    """Admission charges a joining request the queued prompts' prefill before placement
+    has set its work order: in the least-work order, every queued request of its flow
+    and priority (as without fairness, every one of its priority). With one flow queued,
+    fairness changes nothing of the projection."""
+    predicted = {}
+    for fairness in ("none", "round-robin"):
+        router, clock, _ = both_slots_taken(queue_order="least-work", fairness=fairness)
+        s = router.scheduler
+        for _ in range(3):
+            assert isinstance(s.admit(flowing_tokens(router, "a", 2000), clock.t), Queued)
+        joining = flowing_tokens(router, "a", 10)
+        s.admit(joining, clock.t)
+        predicted[fairness] = joining.predicted_ttft_s
+    assert predicted["round-robin"] == pytest.approx(predicted["none"])
+    # and the 6,000 queued tokens are in it: more than a request behind an empty queue
+    router, clock, _ = both_slots_taken(queue_order="least-work", fairness="round-robin")
+    alone = flowing_tokens(router, "a", 10)
+    router.scheduler.admit(alone, clock.t)
+    assert predicted["round-robin"] > alone.predicted_ttft_s + 0.1
+
+
+def flowing_tokens(router: Router, flow: str, tokens: int) -> Ticket:
+    t = prioritized(router, tokens, 0)
+    t.flow = flow
+    return t
+
+
 def test_a_request_names_its_flow_by_either_header_within_a_bound():
     router, clock, _ = make_router(admission={"fairness": "round-robin"})
     for headers, flow in (({"x-gateway-inference-fairness-id": "tenant-1"}, "tenant-1"),

@@ -198,8 +198,8 @@ class Scheduler:
         # rates only then: they are a walk of the pool's models per request).
         shares = [0.0] * len(engines)
         queued = self.queued_tokens
-        if queued and self.fair:  # only what goes before it
-            queued = sum(q.tokens for q in self._fair_ahead(t))
+        if queued and self.fair:  # only what goes before it (its work order unknown yet)
+            queued = sum(q.tokens for q in self._fair_ahead(t, known_work=False))
         elif queued and (self.prioritized or t.priority):  # only what it will not overtake
             queued = sum(q.tokens for q in self.queue if q.priority >= t.priority)
         if queued:
@@ -435,11 +435,14 @@ class Scheduler:
             priority in self.last_flow) else 0
         return names[start:] + names[:start]
 
-    def _fair_ahead(self, t: Ticket) -> list[Ticket]:
+    def _fair_ahead(self, t: Ticket, known_work: bool = True) -> list[Ticket]:
         """The queued tickets that ``_fair_order`` puts before ``t`` were it to join: every
         one of a higher priority; of its own flow, those before it in queue order; of
         another flow of its priority, as many as take turns before its own comes (its
-        rank in its flow, one more for a flow whose turn precedes its flow's)."""
+        rank in its flow, one more for a flow whose turn precedes its flow's).
+        ``known_work`` False: ``t``'s work order is not set yet (admission's queued tokens,
+        which the projections that set it need), so in the least-work order its whole
+        flow counts as before it, as every ticket of its priority does without fairness."""
         own: list[Ticket] = []
         others: dict[str, list[Ticket]] = {}
         ahead = []
@@ -449,7 +452,7 @@ class Scheduler:
             elif q.priority == t.priority:
                 if q.flow != t.flow:
                     others.setdefault(q.flow, []).append(q)
-                elif not self.least_work or q.work_order <= t.work_order:
+                elif not (self.least_work and known_work) or q.work_order <= t.work_order:
                     own.append(q)
         rank = len(own)
         turn = self._turns([*others, t.flow], t.priority)
