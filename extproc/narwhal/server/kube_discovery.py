@@ -160,13 +160,14 @@ class KubernetesDiscovery:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # keep the last known state; try again
-                if status_code(exc) != 404:
+                found = status_code(exc) != 404
+                if found:
                     log.warning("%s failed: %r; keeping %s", what, exc, keeping())
                 elif not missing:
                     log.warning("%s: not found (404: no such object, or its "
                                 "CustomResourceDefinition is not installed); keeping %s, "
                                 "trying again every %d ms", what, keeping(), self.d.interval_ms)
-                missing = status_code(exc) == 404
+                missing = not found
             await asyncio.sleep(self.d.interval_ms / 1000)
 
     async def run(self) -> None:
