@@ -215,15 +215,37 @@ def flow_of(seed: int, heavy: float) -> str:
     return HEAVY if random.Random(~seed).random() < heavy else LIGHT
 
 
-async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: int,
-              interactive: float = 0.0, heavy: float = 0.0) -> Result:
-    messages, body = work.request(seed)
+async def labelled(session: aiohttp.ClientSession, url: str, body: dict, seed: int,
+                   interactive: float, heavy: float) -> tuple[Result, list[str]]:
+    """``stream``, naming the objective and the fairness ID that request ``seed`` draws
+    (``--interactive``, ``--heavy``); the result says which."""
     objective, flow = objective_of(seed, interactive), flow_of(seed, heavy)
     headers = {"x-gateway-inference-objective": objective} if objective else {}
     if flow:
         headers["x-gateway-inference-fairness-id"] = flow
     result, reply = await stream(session, url, body, headers)
     result.objective, result.flow = objective, flow
+    return result, reply
+
+
+def apart(results: list[Result], interactive: float, heavy: float
+          ) -> list[tuple[str, list[Result]]]:
+    """Each class a run drew (``--interactive``: int and rest; ``--heavy``: each client),
+    tagged, with its results; a class without any is left out."""
+    classes: list[tuple[str, Callable[[Result], bool]]] = []
+    if interactive:
+        classes += [("int", lambda r: r.objective == INTERACTIVE),
+                    ("rest", lambda r: r.objective != INTERACTIVE)]
+    if heavy:
+        classes += [(flow, lambda r, f=flow: r.flow == f) for flow in (HEAVY, LIGHT)]
+    parts = [(tag, [r for r in results if member(r)]) for tag, member in classes]
+    return [(tag, part) for tag, part in parts if part]
+
+
+async def one(session: aiohttp.ClientSession, url: str, work: Workload, seed: int,
+              interactive: float = 0.0, heavy: float = 0.0) -> Result:
+    messages, body = work.request(seed)
+    result, reply = await labelled(session, url, body, seed, interactive, heavy)
     if result.end is not None:
         work.answered(messages, "".join(reply))
     return result
@@ -721,16 +743,9 @@ def run_policy(policy: str, loads: list[float], args: argparse.Namespace, mix: M
                         file=sys.stderr)
                 rows.append((policy, load, rate, row))
                 # each class apart: its own goodput and in-budget share
-                classes = [(tag, lambda r, o=objective: r.objective == o) for tag, objective in
-                           (("int", INTERACTIVE), ("rest", "")) if args.interactive]
-                classes += [(flow, lambda r, f=flow: r.flow == f) for flow in (HEAVY, LIGHT)
-                            if args.heavy]
-                for tag, member in classes:
-                    part = [r for r in results if member(r)]
-                    if part:
-                        rows.append((f"{policy}:{tag}", load, rate,
-                                     summarize(part, args.duration, budget_s,
-                                               args.time_scale)))
+                for tag, part in apart(results, args.interactive, args.heavy):
+                    rows.append((f"{policy}:{tag}", load, rate,
+                                 summarize(part, args.duration, budget_s, args.time_scale)))
                 print(f"  {policy} {load:g}x done", file=sys.stderr, flush=True)
                 idle([f"http://127.0.0.1:{s.port}" for s in pool.sims])
         finally:

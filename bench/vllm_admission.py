@@ -54,9 +54,9 @@ from bench.scheduling import (
     Result,
     StatusTrace,
     _fmt,
+    apart,
     dump,
-    flow_of,
-    objective_of,
+    labelled,
     profiled,
     stream,
     summarize,
@@ -121,13 +121,7 @@ def classed(interactive: float, heavy: float
     every path, since the bodies are drawn from the seed."""
     async def send(session: aiohttp.ClientSession, url: str, body: dict) -> Result:
         key = zlib.crc32(orjson.dumps(body["messages"]))
-        objective, flow = objective_of(key, interactive), flow_of(key, heavy)
-        headers = {"x-gateway-inference-objective": objective} if objective else {}
-        if flow:
-            headers["x-gateway-inference-fairness-id"] = flow
-        result = (await stream(session, url, body, headers))[0]
-        result.objective, result.flow = objective, flow
-        return result
+        return (await labelled(session, url, body, key, interactive, heavy))[0]
     return send
 
 
@@ -269,15 +263,9 @@ def main() -> int:
                             dump(results, Path(args.samples) / f"{name}.jsonl")
                         rows.append((path, load, summarize(results, args.duration, budget_s,
                                                            1.0)))
-                        parts = [(":int", lambda r: r.objective == INTERACTIVE),
-                                 (":rest", lambda r: r.objective != INTERACTIVE)
-                                 ] if args.interactive else []
-                        parts += [(f":{f}", lambda r, f=f: r.flow == f)
-                                  for f in (HEAVY, LIGHT)] if args.heavy else []
-                        for tag, member in parts:
-                            if part := [r for r in results if member(r)]:
-                                rows.append((path + tag, load,
-                                             summarize(part, args.duration, budget_s, 1.0)))
+                        for tag, part in apart(results, args.interactive, args.heavy):
+                            rows.append((f"{path}:{tag}", load,
+                                         summarize(part, args.duration, budget_s, 1.0)))
                         print(f"  {name} done", file=sys.stderr)
                 finally:
                     if stack is not None:

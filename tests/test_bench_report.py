@@ -294,3 +294,19 @@ def test_the_heavy_share_is_drawn_from_the_seed_alone_apart_from_the_objective()
     share = sum(objective_of(s, 0.25) == INTERACTIVE for s in heavy) / len(heavy)
     assert 0.21 < share < 0.29
     assert {flow_of(s, 0.0) for s in seeds} == {""}
+
+
+def test_each_drawn_class_is_reported_apart():
+    """``apart``: the classes a run drew, each with its own results, for both benchmarks;
+    one without results is left out, and without the flags there are none."""
+    from bench.scheduling import HEAVY, INTERACTIVE, LIGHT, Result, apart
+
+    def result(objective: str, flow: str) -> Result:
+        r = Result(200, 0.0)
+        r.objective, r.flow = objective, flow
+        return r
+
+    results = [result(INTERACTIVE, HEAVY), result("", HEAVY), result("", HEAVY)]
+    got = {tag: len(part) for tag, part in apart(results, 0.25, 0.75)}
+    assert got == {"int": 1, "rest": 2, HEAVY: 3}  # no light request: no light row
+    assert LIGHT not in got and apart(results, 0.0, 0.0) == []
