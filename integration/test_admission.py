@@ -194,6 +194,11 @@ def test_round_robin_fairness_serves_a_flow_that_queued_later_in_its_turn(object
     done = list(concurrent.futures.as_completed([*flow_a, flow_b]))
     assert [f.result().status_code for f in done] == [200] * 4
     assert done.index(flow_b) == 1 and done[0] is flow_a[0]
+    # A fairness ID past its bound is this request's 400, naming the header.
+    too_long = post(st, {"max_tokens": 2}, {"x-gateway-inference-fairness-id": "x" * 257})
+    assert envelope(too_long, 400)["param"] == "x-gateway-inference-fairness-id"
+    assert post(st, {"max_tokens": 2}, {"x-gateway-inference-fairness-id": "x" * 256}
+                ).status_code == 200
 
 
 def test_a_sheddable_objective_is_refused_rather_than_queued(objectives_stack):
