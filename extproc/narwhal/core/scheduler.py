@@ -198,8 +198,12 @@ class Scheduler:
         # rates only then: they are a walk of the pool's models per request).
         shares = [0.0] * len(engines)
         queued = self.queued_tokens
+        fair_ahead: list[Ticket] | None = None
         if queued and self.fair:  # only what goes before it (its work order unknown yet)
-            queued = sum(q.tokens for q in self._fair_ahead(t, known_work=False))
+            fair_ahead = self._fair_ahead(t, known_work=False)
+            queued = sum(q.tokens for q in fair_ahead)
+            if self.least_work:  # its work order, set below, may put fewer before it
+                fair_ahead = None
         elif queued and (self.prioritized or t.priority):  # only what it will not overtake
             queued = sum(q.tokens for q in self.queue if q.priority >= t.priority)
         if queued:
@@ -228,7 +232,7 @@ class Scheduler:
         if self.least_work:
             t.work_order = (min(c.work for c in cands)
                             + adm.output_token_work * t.predicted_output)
-        waiting = self.queue_wait_s(now, t)
+        waiting = self.queue_wait_s(now, t, fair_ahead)
         projected = min(c.ttft_s for c in cands) + waiting
         t.predicted_ttft_s = projected
         if predictive:
@@ -287,18 +291,22 @@ class Scheduler:
                 if id(e) in self.unclaimed]
         return self._place(t, now, free, keep_budget) if free else None
 
-    def queue_wait_s(self, now: float, t: Ticket | None = None) -> float:
+    def queue_wait_s(self, now: float, t: Ticket | None = None,
+                     fair_ahead: list[Ticket] | None = None) -> float:
         """How long request ``t`` joining the queue now waits before it is dispatched:
         behind every queued request in FIFO order, or (least-work order) behind those
         with no more work than its own, at the rate this queue (since it last emptied)
         has drained: 0 with nothing ahead or too few dispatches to say. (Least-work
         order: requests with less work arriving later overtake it, so a long wait is
-        projected short; the queue gives it up once no engine can meet its budget.)"""
+        projected short; the queue gives it up once no engine can meet its budget.)
+        ``fair_ahead``: what ``_fair_ahead(t)`` gives, where the caller has it already."""
         d = self.drained
         if not self.queue or len(d) < DRAIN_MIN:
             return 0.0
         ahead = len(self.queue)
-        if t is not None and self.fair:
+        if fair_ahead is not None:
+            ahead = len(fair_ahead)
+        elif t is not None and self.fair:
             ahead = len(self._fair_ahead(t))
         elif t is not None and (self.prioritized or t.priority):  # a lower priority is not ahead
             least_work = self.least_work
