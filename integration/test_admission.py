@@ -520,7 +520,8 @@ def test_a_queued_request_whose_budget_no_engine_can_meet_any_more_is_refused(on
     token, so the request ahead keeps the only prefill slot."""
     wait_for(one_slot, lambda s: s["engines"][0]["profiled"])
     sim = f"http://127.0.0.1:{one_slot.sims[0].port}"
-    before = status(one_slot)["requests"]["terminal"]
+    before_status = status(one_slot)["requests"]
+    before = before_status["terminal"]
     assert httpx.post(f"{sim}/sim/hold", json={"hold": True}).status_code == 200
     try:
         ahead = background(one_slot, {"messages": prompt(50), "max_tokens": 2},
@@ -532,6 +533,11 @@ def test_a_queued_request_whose_budget_no_engine_can_meet_any_more_is_refused(on
         st = status(one_slot)
         assert st["requests"]["queued"] == 0 and st["engines"][0]["dispatched"] >= 1
         assert st["requests"]["terminal"]["refused"] == before["refused"] + 1
+        # given up from the queue, not refused at admission: counted apart too
+        assert st["requests"]["queue_gave_up"] == before_status["queue_gave_up"] + 1
+        scraped = httpx.get(f"{one_slot.admin_url}/metrics", timeout=5).text
+        assert (f"narwhal_admission_queue_gave_up_total "
+                f"{before_status['queue_gave_up'] + 1}.0") in scraped
     finally:
         httpx.post(f"{sim}/sim/hold", json={"hold": False})
     assert ahead.result().status_code == 200

@@ -483,6 +483,7 @@ def test_a_queued_request_no_engine_can_serve_in_budget_any_more_is_refused_with
     assert t2.refusal.code == "ttft_budget_exceeded" and t2.refusal.retry_after == 1
     assert t3.refusal is None and t3.engine is slow and not s.queue
     assert fast.prefill == 1 and slow.prefill == 1  # t1 and t3: nothing booked for t2
+    assert s.gave_up == 1  # counted apart from admission's refusals (/status, /metrics)
 
 
 def test_in_open_mode_a_queued_request_past_its_budget_goes_to_the_best_slot():
@@ -691,9 +692,9 @@ def test_least_work_order_gives_up_a_request_it_never_reaches_once_out_of_budget
     for _ in range(40):
         assert isinstance(s.admit(ticket(router, 10, budget_s=60), clock.t), Queued)
     clock.t += 1.99 - big.alone_s
-    assert s.pump(clock.t) == [] and big.refusal is None
+    assert s.pump(clock.t) == [] and big.refusal is None and s.gave_up == 0
     clock.t += 0.02
-    assert s.pump(clock.t) == [big]
+    assert s.pump(clock.t) == [big] and s.gave_up == 1
     assert big.refusal is not None and big.refusal.code == "ttft_budget_exceeded"
     assert len(s.queue) == 40 and all(t.refusal is None for t in s.queue)
 

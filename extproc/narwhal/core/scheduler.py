@@ -151,6 +151,12 @@ class Scheduler:
         # queue (the turn passes to the next flow by name); at most one per priority.
         self.fair = config.admission.fairness == "round-robin"
         self.last_flow: dict[int, str] = {}
+        # Queued requests given up once no engine could meet their budgets any more
+        # (``pump``): admitted on a projection that later arrivals, served first (a
+        # higher priority, less work, another flow's turn), made wrong. Why counted apart
+        # from admission's refusals (both answer 429 ttft_budget_exceeded): these waited
+        # for nothing, and their share says how far the queue's projections hold.
+        self.gave_up = 0
         # When recent requests left the queue since it last formed: its measured drain
         # rate (a queue emptied by dispatch or by clients leaving alike). Charging the
         # queue at prefill speed alone misses the engines' own limits (a full decode
@@ -552,7 +558,9 @@ class Scheduler:
         self.dequeue(t)
         self.drained.append(now)
         out.append(t)
-        if self.fair and t.refusal is None:  # its flow had its turn
+        if t.refusal is not None:
+            self.gave_up += 1
+        elif self.fair:  # its flow had its turn
             self.last_flow[t.priority] = t.flow
 
     def _any_slot(self, engines: list[EngineState]) -> bool:

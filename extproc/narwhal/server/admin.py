@@ -135,6 +135,7 @@ def admin_app(router: Router, token: str | None = None,
                          "queued_by_priority": {str(p): n for p, n in sorted(
                              router.scheduler.queued_by_priority().items(), reverse=True)},
                          "queued_flows": router.scheduler.queued_flows(),
+                         "queue_gave_up": router.scheduler.gave_up,
                          "terminal": acct.terminal},
             "workers": workers() if workers is not None else [],
             "sizing": {"bytes_per_token": round(router.sizer.bytes_per_token, 3),

@@ -111,6 +111,9 @@ class RouterCollector(Collector):
         yield GaugeMetricFamily("narwhal_admission_queue_flows", "Flows (fairness IDs, "
                                 "admission.fairness) with a request waiting for a slot",
                                 value=self.router.scheduler.queued_flows())
+        yield CounterMetricFamily("narwhal_admission_queue_gave_up", "Queued requests refused "
+                                  "once no engine could meet their TTFT budget any more",
+                                  value=self.router.scheduler.gave_up)
         yield GaugeMetricFamily("narwhal_requests_held", "Requests inside the retention limit",
                                 value=self.router.held)
         yield GaugeMetricFamily("narwhal_held_bytes", "Request bodies and assembled responses "
