@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -530,6 +531,7 @@ def test_a_queued_request_whose_budget_no_engine_can_meet_any_more_is_refused(on
         resp = post(one_slot, {"messages": prompt(50), "max_tokens": 2})  # 1 s budget
         err = envelope(resp, 429)
         assert err["code"] == "ttft_budget_exceeded" and resp.headers["retry-after"] == "1"
+        assert re.search(r" after \d+ ms in the admission queue; retry later$", err["message"])
         st = status(one_slot)
         assert st["requests"]["queued"] == 0 and st["engines"][0]["dispatched"] >= 1
         assert st["requests"]["terminal"]["refused"] == before["refused"] + 1

@@ -484,6 +484,7 @@ def test_a_queued_request_no_engine_can_serve_in_budget_any_more_is_refused_with
     assert t3.refusal is None and t3.engine is slow and not s.queue
     assert fast.prefill == 1 and slow.prefill == 1  # t1 and t3: nothing booked for t2
     assert s.gave_up == 1  # counted apart from admission's refusals (/status, /metrics)
+    assert t2.refusal.message.endswith(" after 900 ms in the admission queue; retry later")
 
 
 def test_in_open_mode_a_queued_request_past_its_budget_goes_to_the_best_slot():
@@ -688,6 +689,7 @@ def test_least_work_order_gives_up_a_request_it_never_reaches_once_out_of_budget
     s = router.scheduler
     big = ticket(router, 2000, budget_s=2.0)
     assert isinstance(s.admit(big, clock.t), Queued)
+    queued_at = clock.t
     assert 0 < big.alone_s < 2.0
     for _ in range(40):
         assert isinstance(s.admit(ticket(router, 10, budget_s=60), clock.t), Queued)
@@ -696,6 +698,8 @@ def test_least_work_order_gives_up_a_request_it_never_reaches_once_out_of_budget
     clock.t += 0.02
     assert s.pump(clock.t) == [big] and s.gave_up == 1
     assert big.refusal is not None and big.refusal.code == "ttft_budget_exceeded"
+    waited = round((clock.t - queued_at) * 1000)
+    assert f" after {waited} ms in the admission queue" in big.refusal.message
     assert len(s.queue) == 40 and all(t.refusal is None for t in s.queue)
 
 

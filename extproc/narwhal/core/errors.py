@@ -138,11 +138,17 @@ def _return_ms(overrun_s: float) -> int:
     return max(1000, math.ceil(overrun_s * 1000))
 
 
-def projected_over_budget(projected_s: float, budget_s: float) -> HttpError:
+def projected_over_budget(projected_s: float, budget_s: float,
+                          waited_s: float | None = None) -> HttpError:
+    """``waited_s``: the request was admitted into the queue and is given up after that
+    wait (part of ``projected_s``); the message says so, as the client could not tell a
+    refusal on arrival from one after a wait otherwise."""
     overrun = projected_s - budget_s
+    queued = (f" after {waited_s * 1000:.0f} ms in the admission queue"
+              if waited_s is not None else "")
     return HttpError(
         429, f"Projected time to first token {projected_s * 1000:.0f} ms exceeds the "
-        f"{budget_s * 1000:.0f} ms budget by {overrun * 1000:.0f} ms; retry later",
+        f"{budget_s * 1000:.0f} ms budget by {overrun * 1000:.0f} ms{queued}; retry later",
         "rate_limit_error", REFUSED, code="ttft_budget_exceeded",
         retry_after=max(1, round(overrun)), retry_after_ms=_return_ms(overrun))
 

@@ -525,7 +525,8 @@ class Scheduler:
             best = min((c.ttft_margin_s for c in allowed), default=None)
             keep = predictive and best is not None
             if keep and waited + best > t.budget_s:
-                t.refusal = errors.projected_over_budget(waited + best, t.budget_s)
+                t.refusal = errors.projected_over_budget(waited + best, t.budget_s,
+                                                         _queued_s(t, now))
             # Wait for a slot where the budget can be met; in open mode, once none could
             # meet it, the best slot now.
             elif self._place(t, now, [c for c in projections if id(c.engine) not in claimed],
@@ -548,7 +549,7 @@ class Scheduler:
             # hold them to admission.max_wait_ms or their deadlines.
             for t in [q for q in self.queue if now - q.arrival + q.alone_s > q.budget_s]:
                 t.refusal = errors.projected_over_budget(now - t.arrival + t.alone_s,
-                                                         t.budget_s)
+                                                         t.budget_s, _queued_s(t, now))
                 self._take(t, now, out)
         self.unclaimed = {id(e) for e in engines if id(e) not in claimed}
         return out
@@ -649,6 +650,11 @@ def _book(e: EngineState, t: Ticket) -> None:
     e.decode_backlog += t.predicted_output
     if t.blocks:
         e.prefix.insert(t.blocks)
+
+
+def _queued_s(t: Ticket, now: float) -> float:
+    """How long a queued ticket has waited in the queue (its refusal's message says)."""
+    return now - (t.queued_at if t.queued_at is not None else t.arrival)
 
 
 def _end_prefill(e: EngineState, t: Ticket) -> None:
