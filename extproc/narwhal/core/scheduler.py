@@ -427,18 +427,27 @@ class Scheduler:
         queue order a client that sends many requests at once is ahead of everyone who
         comes after it, and predictive admission refuses the others for the wait it
         causes; in turns each flow waits behind at most as many of another's requests
-        as it has queued itself."""
+        as it has queued itself. One sort a band, by (rank in its flow, its flow's turn):
+        the flows' names are the clients' to choose, and walking rank by rank over every
+        flow cost ~0.5 ms a pump with 128 flows of one request beside one of 128."""
         out: list[Ticket] = []
         i = 0
         while i < len(order):
             priority = order[i].priority
-            flows: dict[str, list[Ticket]] = {}
-            while i < len(order) and order[i].priority == priority:
-                flows.setdefault(order[i].flow, []).append(order[i])
-                i += 1
-            turn = self._turns(flows, priority)
-            for rank in range(max(len(f) for f in flows.values())):
-                out.extend(flows[name][rank] for name in turn if rank < len(flows[name]))
+            j = i
+            while j < len(order) and order[j].priority == priority:
+                j += 1
+            band = order[i:j]
+            turn = {name: k for k, name in enumerate(self._turns({q.flow for q in band},
+                                                                   priority))}
+            ranks: dict[str, int] = {}
+            keys = []
+            for q in band:
+                rank = ranks.get(q.flow, 0)
+                ranks[q.flow] = rank + 1
+                keys.append((rank, turn[q.flow]))
+            out.extend(band[k] for k in sorted(range(len(band)), key=keys.__getitem__))
+            i = j
         return out
 
     def _turns(self, flows: Iterable[str], priority: int) -> list[str]:
