@@ -277,6 +277,8 @@ class Config:
             self.discovery is not None and bool(self.discovery.kv_events_port))
 
 
+PRIORITY_BOUND = 1000  # an objective's priority lies in [-bound, bound]
+
 CHOICES = {
     "admission.mode": ("predictive", "open"),
     "admission.queue_order": ("fifo", "least-work"),
@@ -386,8 +388,10 @@ def _check(hint: Any, value: Any, key: str) -> Any:
         if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
             raise ConfigError(f"{key}: expected a mapping of name to priority, got {value!r}")
         for k, v in value.items():
-            if not isinstance(v, int) or isinstance(v, bool) or not -1000 <= v <= 1000:
-                raise ConfigError(f"{key}.{k}: expected an integer in [-1000, 1000], got {v!r}")
+            if (not isinstance(v, int) or isinstance(v, bool)
+                    or not -PRIORITY_BOUND <= v <= PRIORITY_BOUND):
+                raise ConfigError(f"{key}.{k}: expected an integer in [-{PRIORITY_BOUND}, "
+                                  f"{PRIORITY_BOUND}], got {v!r}")
         return dict(value)
     if hint == dict[str, float]:
         if not isinstance(value, dict):

@@ -23,14 +23,13 @@ from typing import Any
 from lightkube import AsyncClient
 from lightkube.generic_resource import create_namespaced_resource
 
-from ..config import Discovery
+from ..config import PRIORITY_BOUND, Discovery
 from ..core.router import Router
 from .kube import mirror
 
 log = logging.getLogger("narwhal.discovery")
 InferenceObjective = create_namespaced_resource(
     "inference.networking.x-k8s.io", "v1alpha2", "InferenceObjective", "inferenceobjectives")
-PRIORITY_BOUND = 1000  # as admission.objectives
 POOL_GROUPS = ("", "inference.networking.k8s.io", "inference.networking.x-k8s.io")
 
 
