@@ -33,7 +33,9 @@ and `vllm-router` (PyPI) `power_of_two` and `cache_aware`. Per policy and load: 
 (completed requests per second within the TTFT budget) over the cell and over its second
 half (the steady state of a sustained overload: use a long ``--duration``, as
 routers without admission serve nothing in budget once their queues are a budget deep),
-% of admitted within budget, TTFT and TPOT p50/p99, refusal rate, Narwhal's TTFT prediction error p50/p90 and
+% of admitted within budget, TTFT and TPOT p50/p99, refusal rate, of the refusals the share
+given up from Narwhal's queue after a wait ("gave up") and the refused clients' wait for
+their answer (p90, GPU-equivalent), Narwhal's TTFT prediction error p50/p90 and
 MAPE (header x-narwhal-predicted-ttft-ms against the client's measurement), its output
 length error (x-narwhal-predicted-output-tokens), and how full the engines ran ("full":
 the share of the cell's arrivals each engine spent in steps that used up their token
@@ -167,6 +169,11 @@ class Workload:
             self.open.append([*messages, {"role": "assistant", "content": reply}])
 
 
+# How a refusal given up from Narwhal's queue after a wait ends its message (a refusal on
+# arrival does not say it).
+GAVE_UP = " ms in the admission queue; retry later"
+
+
 @dataclass
 class Result:
     status: int
@@ -179,6 +186,7 @@ class Result:
     engine: str = ""
     end: float | None = None
     refusal: str = ""  # a refused request's error code and message
+    answer_s: float | None = None  # until the response's headers: a refusal's wait
     prompt_tokens: int | None = None  # the engine's usage
     cached: int | None = None  # the prompt tokens the engine found cached (its usage)
     predicted_cached: int | None = None  # x-narwhal-predicted-cached-tokens
@@ -267,6 +275,7 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict,
                                 headers={"content-type": "application/json",
                                          **(headers or {})}) as resp:
             result.status = resp.status
+            result.answer_s = time.monotonic() - start
             predicted = resp.headers.get("x-narwhal-predicted-ttft-ms")
             result.predicted_s = int(predicted) / 1000 if predicted else None
             tokens = resp.headers.get("x-narwhal-predicted-output-tokens")
@@ -408,6 +417,8 @@ def summarize(results: list[Result], duration: float, budget_s: float, scale: fl
     # fill and serves nothing in budget once they are a budget deep, so the second half of
     # a long cell is its steady state and the whole cell partly its transient.
     half = min((r.start for r in results), default=0.0) + duration / 2
+    refused = [r for r in results if r.status in (429, 503)]
+    waits = [r.answer_s / scale for r in refused if r.answer_s is not None]
     return {
         "offered": len(results),
         "goodput": len(good) / duration,
@@ -418,7 +429,12 @@ def summarize(results: list[Result], duration: float, budget_s: float, scale: fl
         "ttft99": quantile([r.ttft_s / scale for r in ok], 0.99),
         "tpot50": quantile(tpots, 0.5),
         "tpot99": quantile(tpots, 0.99),
-        "refused": sum(1 for r in results if r.status in (429, 503)) / max(1, len(results)),
+        "refused": len(refused) / max(1, len(results)),
+        # of the refusals, those given up from Narwhal's queue after a wait (their message
+        # says so), and how long refused clients waited for their answer
+        "gave_up": (sum(1 for r in refused if r.refusal.endswith(GAVE_UP))
+                    / len(refused) if refused else None),
+        "refusal_wait90": quantile(waits, 0.9) if waits else None,
         "other": sum(1 for r in results if r.status not in (200, 429, 503)),
         "err50": quantile(errs, 0.5) if errs else None,
         "err90": quantile(errs, 0.9) if errs else None,
@@ -930,6 +946,7 @@ def main() -> int:
           f"{' --drift --drift-policy ' + args.drift_policy if args.drift else ''}{sets}")
     print(f"{'policy':19} {'load':>4} {'req/s':>6} {'goodput':>7} {'2nd half':>8} {'in-budget':>9} "
           f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TPOT p50':>8} {'p99':>6} {'refused':>7} "
+          f"{'gave up':>7} {'wait p90':>8} "
           f"{'pred p50/p90/MAPE':>19} {'out MAPE':>8} {'hit':>5} {'hit gap':>7} {'full':>5}")
     for policy, load, rate, s in rows:
         err = (f"{_fmt(s['err50'], True)}/{_fmt(s['err90'], True)}/{_fmt(s['mape'], True)}"
@@ -937,7 +954,8 @@ def main() -> int:
         print(f"{policy:19} {load!s:>4} {rate:6.2f} {s['goodput']:7.2f} {s['goodput_late']:8.2f} "
               f"{s['in_budget']:9.1%} "
               f"{_fmt(s['ttft50']):>8} {_fmt(s.get('ttft90')):>7} {_fmt(s['ttft99']):>7} "
-              f"{_fmt(s['tpot50']):>8} {_fmt(s['tpot99']):>6} {s['refused']:7.1%} {err:>19} "
+              f"{_fmt(s['tpot50']):>8} {_fmt(s['tpot99']):>6} {s['refused']:7.1%} "
+              f"{_fmt(s['gave_up'], True):>7} {_fmt(s['refusal_wait90']):>8} {err:>19} "
               f"{_fmt(s['out_mape'], True):>8} {_fmt(s.get('hit'), True):>5} "
               f"{_fmt(s.get('hit_gap'), True):>7} {_fmt(s.get('full'), True):>5}")
     if drift is not None:

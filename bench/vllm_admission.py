@@ -23,9 +23,9 @@ stops by itself, so ``max_tokens`` is the output length). ``--capacity``: the en
 saturated throughput in requests/s; without it the run measures it first (16 clients
 in a closed loop straight to vLLM, which runs 8 at a time). Per path and load: goodput
 (completed within the budget, per second), % of admitted within it, TTFT p50/p90/p99,
-refused, of Narwhal's refusals in the whole cell (warm-up too) the share given up from its
-queue after admission (``gave up``: /status ``queue_gave_up`` against ``terminal.refused``),
-and Narwhal's TTFT prediction error (header ``x-narwhal-predicted-ttft-ms``
+refused, of the refusals the share given up from Narwhal's queue after a wait (``gave
+up``: their message says so) and the 90th percentile of the refused clients' wait for
+their answer (``wait p90``), and Narwhal's TTFT prediction error (header ``x-narwhal-predicted-ttft-ms``
 against the client's measurement). ``direct`` is the client straight to vLLM: what any
 router without admission control gives in front of one engine.
 """
@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 import aiohttp
-import httpx
 import orjson
 from integration.vllm.engine import SERVED_MODEL, VllmServer, built_model
 
@@ -203,14 +202,6 @@ def narwhal(engine: VllmServer, budget_ms: int, path: str = "narwhal") -> Stack:
     return stack
 
 
-def refusals(stack: Stack | None) -> tuple[int, int] | None:
-    """Narwhal's refusals so far and, of them, those given up from its queue (/status)."""
-    if stack is None:
-        return None
-    requests = httpx.get(f"{stack.admin_url}/status", timeout=10).json()["requests"]
-    return requests["terminal"]["refused"], requests["queue_gave_up"]
-
-
 def start_engine(workdir: Path) -> VllmServer:
     return VllmServer("vllm-small", built_model(workdir / "model", "small"), workdir).spawn().wait()
 
@@ -266,18 +257,13 @@ def main() -> int:
                         name = f"{path}-{load:g}"
                         trace = (StatusTrace(stack, Path(args.samples) / f"{name}.status.jsonl")
                                  if stack is not None and args.samples else None)
-                        before = refusals(stack)
                         results = asyncio.run(drive(url, load * capacity, args.warmup,
                                                     args.duration, args.seed, send))
-                        after = refusals(stack)
                         if trace is not None:
                             trace.stop()
                         if args.samples:
                             dump(results, Path(args.samples) / f"{name}.jsonl")
                         whole = summarize(results, args.duration, budget_s, 1.0)
-                        whole["gave_up"] = (None if before is None or after is None
-                                            or after[0] == before[0]
-                                            else (after[1] - before[1]) / (after[0] - before[0]))
                         rows.append((path, load, whole))
                         for tag, part in apart(results, args.interactive, args.heavy):
                             rows.append((f"{path}:{tag}", load,
@@ -297,15 +283,15 @@ def main() -> int:
           f"{f' --interactive {args.interactive:g}' if args.interactive else ''}"
           f"{f' --heavy {args.heavy:g}' if args.heavy else ''}")
     print(f"{'path':16} {'load':>4} {'req/s':>6} {'goodput':>7} {'in-budget':>9} {'TTFT p50':>8} "
-          f"{'p90':>7} {'p99':>7} {'refused':>7} {'gave up':>7} {'other':>5} "
+          f"{'p90':>7} {'p99':>7} {'refused':>7} {'gave up':>7} {'wait p90':>8} {'other':>5} "
           f"{'pred p50/p90/MAPE':>19}")
     for path, load, s in rows:
         err = (f"{_fmt(s['err50'], True)}/{_fmt(s['err90'], True)}/{_fmt(s['mape'], True)}"
                if s["err50"] is not None else "-")
-        gave_up = "-" if s.get("gave_up") is None else f"{s['gave_up']:.1%}"
         print(f"{path:16} {load:>4g} {s['offered'] / args.duration:6.2f} {s['goodput']:7.2f} "
               f"{s['in_budget']:9.1%} {_fmt(s['ttft50']):>8} {_fmt(s['ttft90']):>7} "
-              f"{_fmt(s['ttft99']):>7} {s['refused']:7.1%} {gave_up:>7} {s['other']:5d} "
+              f"{_fmt(s['ttft99']):>7} {s['refused']:7.1%} {_fmt(s['gave_up'], True):>7} "
+              f"{_fmt(s['refusal_wait90']):>8} {s['other']:5d} "
               f"{err:>19}")
     return 0
 

@@ -105,6 +105,30 @@ def test_each_real_vllm_admission_path_is_a_valid_config_with_its_settings():
     assert least.admission.queue_limit == 1024  # the path's settings add to the common ones
 
 
+def test_the_report_tells_refusals_given_up_from_the_queue_by_their_message():
+    """``summarize``'s ``gave up``: of the refusals, those whose message (Narwhal's own,
+    built here by the function that builds it) says they waited in the queue; a refusal on
+    arrival and one for the queue's wait limit do not; the refused clients' wait p90 is
+    their time to the answer, in GPU-equivalent seconds."""
+    from narwhal.core import errors
+
+    from bench.scheduling import Result, summarize
+
+    def refused(answer_s: float, error: errors.HttpError) -> Result:
+        return Result(429, 0.0, answer_s=answer_s,
+                      refusal=f"{error.code}: {error.message}")
+
+    results = [Result(200, 0.0, ttft_s=0.5, answer_s=0.1),
+               refused(2.0, errors.projected_over_budget(1.5, 1.0, 0.9)),
+               refused(0.2, errors.projected_over_budget(1.5, 1.0)),
+               refused(0.4, errors.queue_wait_over_limit(3.0, 2.0)),
+               Result(503, 0.0, answer_s=0.3)]
+    row = summarize(results, 10.0, 1.0, 2.0)
+    assert row["refused"] == 0.8 and row["gave_up"] == 0.25
+    assert row["refusal_wait90"] == 1.0  # 2.0 s at time scale 2
+    assert summarize(results[:1], 10.0, 1.0, 1.0)["gave_up"] is None
+
+
 def test_the_drift_report_times_the_first_reset_after_the_slowdown_and_windows_arrivals():
     """``bench.vllm_drift``: a reset before the slowdown is not the one found; arrivals are
     counted in the window they arrived in, late by their first token against the budget
