@@ -110,9 +110,9 @@ def test_the_report_tells_refusals_given_up_from_the_queue_by_their_message():
     built here by the function that builds it) says they waited in the queue; a refusal on
     arrival and one for the queue's wait limit do not; the refused clients' wait p90 is
     their time to the answer, in GPU-equivalent seconds."""
-    from narwhal.core import errors
-
     from bench.scheduling import Result, summarize
+
+    from narwhal.core import errors
 
     def refused(answer_s: float, error: errors.HttpError) -> Result:
         return Result(429, 0.0, answer_s=answer_s,

@@ -540,6 +540,13 @@ def both_slots_taken(**admission) -> tuple[Router, Clock, list[Ticket]]:
     return router, clock, running
 
 
+def later(router: Router, clock: Clock, dt: float) -> None:
+    """``dt`` seconds on, the engines still reporting (their telemetry fresh)."""
+    clock.t += dt
+    for e in router.engines:
+        e.telemetry_at = clock.t
+
+
 def served_in_turn(router: Router, clock: Clock, running: list[Ticket], labels: dict,
                    turns: int) -> list:
     """Each 0.5 s the oldest running request's first token frees its slot and the queue is
@@ -647,19 +654,25 @@ def test_least_work_order_gives_a_freed_slot_to_the_request_with_the_least_work(
 
 
 def test_least_work_order_charges_a_joining_request_the_wait_behind_less_work():
-    # Twelve queued (prompt, predicted output): (10, 20), (10, 40), (100, 100), (10, 500)
-    # three times; a drain rate measured over eight dispatches at one per 0.5 s leaves
-    # four. FIFO: one of each, all ahead of a request joining (2 s). Least-work at 4
-    # prompt tokens an output token (work 90, 170, 500, 2,010): a 500 and three 2,010s
-    # are left, and a (150, 150) request (750) waits behind the 500 alone (0.5 s). At 0
-    # (work 10, 10, 100, 10): a 10 and three 100s, all with no more than its 150.
-    cases = (("fifo", 4.0, 2.0), ("least-work", 4.0, 0.5), ("least-work", 0.0, 2.0))
+    # Twelve queued (prompt, predicted output), one each 0.5 s: (10, 20), (10, 40), (100,
+    # 100), (10, 500) three times; a drain rate measured over eight dispatches at one per
+    # 0.5 s leaves four. FIFO: one of each, all ahead of a request joining (2 s), and no
+    # later arrival goes before it. Least-work at 4 prompt tokens an output token (work 90,
+    # 170, 500, 2,010): a 500 and three 2,010s are left, and a (150, 150) request (750)
+    # waits behind the 500 alone (0.5 s), stretched by the arrivals with less work than
+    # its own that overtake it while it waits: 9 of the 12 that joined in the last 9.5 s,
+    # so W = 0.5 / (1 - 9 / 9.5 x 0.5). At 0 (work 10, 10, 100, 10): a 10 and three 100s
+    # ahead, all with no more than its 150, and all 12 overtake.
+    cases = (("fifo", 4.0, 2.0), ("least-work", 4.0, 0.5 / (1 - 9 / 9.5 * 0.5)),
+             ("least-work", 0.0, 2.0 / (1 - 12 / 9.5 * 0.5)))
     for order, per_output, wait in cases:
         router, clock, running = both_slots_taken(queue_order=order,
                                                   output_token_work=per_output)
         s = router.scheduler
-        for _ in range(3):
-            for tokens, output in ((10, 20), (10, 40), (100, 100), (10, 500)):
+        for i in range(3):
+            for j, (tokens, output) in enumerate(((10, 20), (10, 40), (100, 100), (10, 500))):
+                if i or j:
+                    later(router, clock, 0.5)
                 t = ticket(router, tokens, budget_s=60)
                 t.predicted_output = output
                 assert isinstance(s.admit(t, clock.t), Queued)
@@ -677,6 +690,39 @@ def test_least_work_order_charges_a_joining_request_the_wait_behind_less_work():
         if order == "least-work":  # what admission computes, and charges
             assert joining.work_order == pytest.approx(150 + per_output * 150)
             assert joining.predicted_ttft_s >= wait
+
+
+def test_a_joining_request_is_charged_the_higher_priorities_arriving_after_it():
+    # FIFO with priorities: twelve queued one each 0.5 s, every other of priority 10; eight
+    # dispatches at one per 0.5 s take the six of priority 10 first, leaving four of 0. A
+    # priority-0 request joining waits behind those four (2 s), stretched by the priority-10
+    # arrivals (6 in the last 9.5 s) served before it meanwhile; one of priority 10 waits
+    # for nothing. Then a burst: twelve more of priority 10 at once, and the wait is capped
+    # at ten times its unstretched length (OVERTAKEN_MAX), not for ever.
+    router, clock, running = both_slots_taken(objectives={"interactive": 10})
+    s = router.scheduler
+    for i in range(12):
+        if i:
+            later(router, clock, 0.5)
+        t = ticket(router, 10, budget_s=60)
+        t.priority = 10 * (i % 2)
+        assert isinstance(s.admit(t, clock.t), Queued)
+    for _ in range(8):
+        clock.t += 0.5
+        s.first_token(running.pop(0), clock.t)
+        running += s.pump(clock.t)
+    assert [q.priority for q in s.queue] == [0, 0, 0, 0]
+    low, high = ticket(router, 10, budget_s=60), ticket(router, 10, budget_s=60)
+    high.priority = 10
+    assert s.queue_wait_s(clock.t, low) == pytest.approx(2.0 / (1 - 6 / 9.5 * 0.5))
+    assert s.queue_wait_s(clock.t, high) == 0.0
+    for _ in range(12):
+        t = ticket(router, 10, budget_s=60)
+        t.priority = 10
+        assert isinstance(s.admit(t, clock.t), Queued)
+    # All 16 queued are ahead of a priority-0 arrival, and 18 of the 24 joins in the last
+    # 9.5 s were of priority 10: 1.9 a second against a dispatch each 0.5 s.
+    assert s.queue_wait_s(clock.t, low) == pytest.approx(16 * 0.5 / (1 - 0.9))
 
 
 def test_least_work_order_gives_up_a_request_it_never_reaches_once_out_of_budget():
@@ -914,7 +960,9 @@ def test_a_higher_priority_takes_freed_slots_first_in_the_queue_order_among_equa
 def test_a_joining_request_is_charged_the_wait_behind_its_priority_and_above():
     """The queue drains one request per 0.5 s and holds four of priority 0: a request of
     priority 0 joining it waits behind all four (2 s), one of priority 1 behind none, and
-    the queued tokens ahead of it are those of its priority and above."""
+    the queued tokens ahead of it are those of its priority and above. Once one of
+    priority 1 has joined (one of the 15 joins in the last 5 s), a request of priority 0
+    is charged its wait stretched by such arrivals overtaking it: / (1 - 1 / 5 x 0.5)."""
     router, clock, running = both_slots_taken()
     s = router.scheduler
     for _ in range(14):
@@ -929,11 +977,13 @@ def test_a_joining_request_is_charged_the_wait_behind_its_priority_and_above():
     usual, urgent = prioritized(router, 10, 0), prioritized(router, 10, 1)
     assert isinstance(s.admit(urgent, clock.t), Queued) and s.prioritized == 1
     s.admit(usual, clock.t)
-    # the same projection but for the queue's 2 s (and the urgent one, 0.5 s, now ahead)
-    assert usual.predicted_ttft_s - urgent.predicted_ttft_s == pytest.approx(2.5, abs=0.05)
+    # the same projection but for the queue's 2 s and the urgent one's 0.5 s, now ahead
+    stretched = 2.5 / (1 - 1 / 5 * 0.5)
+    assert usual.predicted_ttft_s - urgent.predicted_ttft_s == pytest.approx(stretched,
+                                                                              abs=0.05)
     s.dequeue(usual)
     assert s.queue_wait_s(clock.t, prioritized(router, 10, 1)) == pytest.approx(0.5)
-    assert s.queue_wait_s(clock.t, prioritized(router, 10, 0)) == pytest.approx(2.5)
+    assert s.queue_wait_s(clock.t, prioritized(router, 10, 0)) == pytest.approx(stretched)
     assert s.queue_wait_s(clock.t, prioritized(router, 10, 2)) == 0.0
     clock.t += 0.5
     for e in router.engines:

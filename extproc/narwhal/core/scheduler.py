@@ -12,6 +12,7 @@ first); a ticket that waits holds back later ones only on the engines it could u
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -113,6 +114,10 @@ class Ticket:
 
 DRAIN_WINDOW = 64  # dispatches from the queue that set its measured drain rate
 DRAIN_MIN = 8  # before the rate is trusted
+# The most of a queue's drain rate that later arrivals served first may be projected to
+# take (``queue_wait_s``): at or past it the request would wait for ever, which the
+# projection caps at ten times its wait with no one overtaking it.
+OVERTAKEN_MAX = 0.9
 LOOKAHEAD = 32  # waiting tickets a pump walks past before it stops (see ``pump``)
 
 
@@ -162,6 +167,11 @@ class Scheduler:
         # queue at prefill speed alone misses the engines' own limits (a full decode
         # batch drains the queue only as decodes finish).
         self.drained: deque[float] = deque(maxlen=DRAIN_WINDOW)
+        # When recent requests joined the queue since it last formed, with their priority
+        # and work order: how often a later arrival is served before a joining request
+        # (``queue_wait_s``).
+        self.joined: deque[tuple[float, int, float]] = deque(maxlen=DRAIN_WINDOW)
+        self.ranked_joined_at = -math.inf  # the last join with a priority other than 0
         # id() of the engines the last pump saw that no waiting ticket could still use
         # (none when its walk stopped at ``LOOKAHEAD``: the tickets past it claim what
         # they claim): a request arriving behind the queue may go there at once.
@@ -271,8 +281,12 @@ class Scheduler:
             # refused now, the client is told when to come back.
             return Refuse(errors.queue_wait_over_limit(waiting, max_wait_s))
         if not self.queue:
-            self.drained.clear()  # a new queue: its rate is its own
+            self.drained.clear()  # a new queue: its rates are its own
+            self.joined.clear()
         t.queued_at = now
+        self.joined.append((now, t.priority, t.work_order))
+        if t.priority:
+            self.ranked_joined_at = now
         self.queue.append(t)
         if t.priority:
             self.prioritized += 1
@@ -302,14 +316,24 @@ class Scheduler:
         """How long request ``t`` joining the queue now waits before it is dispatched:
         behind every queued request in FIFO order, or (least-work order) behind those
         with no more work than its own, at the rate this queue (since it last emptied)
-        has drained: 0 with nothing ahead or too few dispatches to say. (Least-work
-        order: requests with less work arriving later overtake it, so a long wait is
-        projected short; the queue gives it up once no engine can meet its budget.)
+        has drained: 0 with nothing ahead or too few dispatches to say.
+
+        Later arrivals served before it (a higher priority; in the least-work order, less
+        work) take their turns while it waits: at ``d`` seconds a dispatch, ``ahead``
+        before it and ``r`` such arrivals a second (those that joined the queue lately),
+        it waits W = ahead x d + r x W x d, so W = ahead x d / (1 - r x d)
+        (``_overtaking_rate``; ``OVERTAKEN_MAX`` caps r x d). Why: counting only those
+        queued now, the least-work order projected an expensive request's wait as if
+        nothing would overtake it, admitted it, and gave it up from the queue once its
+        budget ran out: half that order's refusals on real vLLM came after such a wait
+        (docs/measurements.md, forty-seventh and forty-eighth sessions). Under
+        ``admission.fairness`` the other flows' turns are not projected so.
         ``fair_ahead``: what ``_fair_ahead(t)`` gives, where the caller has it already."""
         d = self.drained
         if not self.queue or len(d) < DRAIN_MIN:
             return 0.0
         ahead = len(self.queue)
+        overtaken = False
         if fair_ahead is not None:
             ahead = len(fair_ahead)
         elif t is not None and self.fair:
@@ -318,9 +342,30 @@ class Scheduler:
             least_work = self.least_work
             ahead = sum(1 for q in self.queue if q.priority > t.priority or (
                 q.priority == t.priority and (not least_work or q.work_order <= t.work_order)))
+            overtaken = True
         elif t is not None and self.least_work:
             ahead = sum(1 for q in self.queue if q.work_order <= t.work_order)
-        return ahead * (d[-1] - d[0]) / (len(d) - 1)
+            overtaken = True
+        elif t is not None and self.joined:  # FIFO: higher priorities that joined lately
+            overtaken = self.ranked_joined_at >= self.joined[0][0]
+        interval = (d[-1] - d[0]) / (len(d) - 1)
+        wait = ahead * interval
+        if overtaken and wait:
+            assert t is not None
+            wait /= 1 - min(OVERTAKEN_MAX, self._overtaking_rate(now, t) * interval)
+        return wait
+
+    def _overtaking_rate(self, now: float, t: Ticket) -> float:
+        """How many requests a second have lately joined the queue that would be served
+        before ``t`` had they joined after it (a higher priority, or in the least-work
+        order less work: equal work goes in arrival order); 0 until ``DRAIN_MIN`` joined."""
+        joined = self.joined
+        span = now - joined[0][0] if len(joined) >= DRAIN_MIN else 0.0
+        if span <= 0:
+            return 0.0
+        priority, work, least_work = t.priority, t.work_order, self.least_work
+        return sum(1 for _, p, w in joined if p > priority or (
+            p == priority and least_work and w < work)) / span
 
     def _place(self, t: Ticket, now: float, projections: list[Candidate],
                keep_budget: bool = False) -> EngineState | None:
