@@ -236,6 +236,26 @@ async def labelled(session: aiohttp.ClientSession, url: str, body: dict, seed: i
     return result, reply
 
 
+def class_arguments(parser: argparse.ArgumentParser, priority_on: str, turns_on: str) -> None:
+    """The two ways a benchmark splits its clients into classes, each reported apart:
+    ``--interactive`` (an objective with a priority) and ``--heavy`` (two fairness IDs);
+    ``priority_on``, ``turns_on``: where the benchmark's Narwhal acts on them."""
+    parser.add_argument("--interactive", type=float, default=0.0, metavar="SHARE",
+                        help=f"this share of requests name the InferenceObjective "
+                             f"'{INTERACTIVE}' (priority {INTERACTIVE_PRIORITY} {priority_on}); "
+                             "each class is reported apart too")
+    parser.add_argument("--heavy", type=float, default=0.0, metavar="SHARE",
+                        help=f"two clients by fairness ID: '{HEAVY}' sends this share of the "
+                             f"requests, '{LIGHT}' the rest (turns {turns_on}); each class is "
+                             "reported apart too")
+
+
+def class_flags(args: argparse.Namespace) -> str:
+    """``class_arguments``' options as given, for a run's reproduce line."""
+    return (f"{f' --interactive {args.interactive:g}' if args.interactive else ''}"
+            f"{f' --heavy {args.heavy:g}' if args.heavy else ''}")
+
+
 def apart(results: list[Result], interactive: float, heavy: float
           ) -> list[tuple[str, list[Result]]]:
     """Each class a run drew (``--interactive``: int and rest; ``--heavy``: each client),
@@ -895,14 +915,8 @@ def main() -> int:
     parser.add_argument("--calibrate-with", choices=("open", "open-noprefix", "predictive"),
                         default="open",
                         help="the placement that saturates the pool for --calibrate")
-    parser.add_argument("--interactive", type=float, default=0.0, metavar="SHARE",
-                        help="this share of requests name the InferenceObjective "
-                             f"'{INTERACTIVE}', priority {INTERACTIVE_PRIORITY} in every "
-                             "Narwhal policy; each class is reported apart too")
-    parser.add_argument("--heavy", type=float, default=0.0, metavar="SHARE",
-                        help="two clients by fairness ID: 'heavy' sends this share of the "
-                             "requests, 'light' the rest; each reported apart too (compare "
-                             "--set admission.fairness=round-robin)")
+    class_arguments(parser, "in every Narwhal policy",
+                    "with --set admission.fairness=round-robin")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a Narwhal setting over every Narwhal policy's own (repeatable; "
                              "VALUE is YAML), e.g. scheduler.max_prefill_per_engine=10")
@@ -941,8 +955,7 @@ def main() -> int:
           f"{args.loads} --budget-ms {args.budget_ms} --time-scale {args.time_scale:g} "
           f"--policies {args.policies} --seed {args.seed} --workload {args.workload} "
           f"--tenants {args.tenants} --warmup {args.warmup:g}"
-          f"{f' --interactive {args.interactive:g}' if args.interactive else ''}"
-          f"{f' --heavy {args.heavy:g}' if args.heavy else ''}"
+          f"{class_flags(args)}"
           f"{' --drift --drift-policy ' + args.drift_policy if args.drift else ''}{sets}")
     print(f"{'policy':19} {'load':>4} {'req/s':>6} {'goodput':>7} {'2nd half':>8} {'in-budget':>9} "
           f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TPOT p50':>8} {'p99':>6} {'refused':>7} "

@@ -49,14 +49,14 @@ from integration.vllm.engine import SERVED_MODEL, VllmServer, built_model
 
 from bench import names, run_arguments, scratch
 from bench.scheduling import (
-    HEAVY,
     INTERACTIVE,
     INTERACTIVE_PRIORITY,
-    LIGHT,
     Result,
     StatusTrace,
     _fmt,
     apart,
+    class_arguments,
+    class_flags,
     dump,
     labelled,
     profiled,
@@ -228,13 +228,7 @@ def capacity_of(engine: VllmServer, given: float) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--paths", default=",".join(PATHS))
-    parser.add_argument("--interactive", type=float, default=0.0, metavar="SHARE",
-                        help=f"this share of requests name the objective '{INTERACTIVE}' "
-                             "(priority on the path prioritized); reported apart too")
-    parser.add_argument("--heavy", type=float, default=0.0, metavar="SHARE",
-                        help=f"two clients by fairness ID: '{HEAVY}' sends this share of "
-                             f"the requests, '{LIGHT}' the rest (turns on the path fair); "
-                             "reported apart too")
+    class_arguments(parser, "on the path prioritized", "on the path fair")
     cell_arguments(parser)
     args = parser.parse_args()
     send = classed(args.interactive, args.heavy) if args.interactive or args.heavy else one
@@ -280,8 +274,7 @@ def main() -> int:
     print(f"reproduce: python -m bench.vllm_admission --duration {args.duration:g} --warmup "
           f"{args.warmup:g} --loads {args.loads} --budget-ms {args.budget_ms} --capacity "
           f"{capacity:.2f} --paths {args.paths} --seed {args.seed}"
-          f"{f' --interactive {args.interactive:g}' if args.interactive else ''}"
-          f"{f' --heavy {args.heavy:g}' if args.heavy else ''}")
+          f"{class_flags(args)}")
     print(f"{'path':16} {'load':>4} {'req/s':>6} {'goodput':>7} {'in-budget':>9} {'TTFT p50':>8} "
           f"{'p90':>7} {'p99':>7} {'refused':>7} {'gave up':>7} {'wait p90':>8} {'other':>5} "
           f"{'pred p50/p90/MAPE':>19}")

@@ -334,3 +334,18 @@ def test_each_drawn_class_is_reported_apart():
     got = {tag: len(part) for tag, part in apart(results, 0.25, 0.75)}
     assert got == {"int": 1, "rest": 2, HEAVY: 3}  # no light request: no light row
     assert LIGHT not in got and apart(results, 0.0, 0.0) == []
+
+
+def test_the_class_options_come_back_in_the_reproduce_line_as_given():
+    """``class_arguments``/``class_flags``: what a run was given is what it prints to
+    rerun it; an option not given is left out."""
+    import argparse
+
+    from bench.scheduling import class_arguments, class_flags
+
+    parser = argparse.ArgumentParser()
+    class_arguments(parser, "here", "there")
+    assert class_flags(parser.parse_args(["--heavy", "0.75"])) == " --heavy 0.75"
+    assert class_flags(parser.parse_args(["--interactive", "0.2", "--heavy", "0.5"])) == (
+        " --interactive 0.2 --heavy 0.5")
+    assert class_flags(parser.parse_args([])) == ""
