@@ -39,6 +39,11 @@ def as_dict(obj: Any) -> dict[str, Any]:
     return obj.to_dict() if hasattr(obj, "to_dict") else dict(obj)
 
 
+def name_of(data: dict[str, Any]) -> str:
+    """An object's name ("" where the API sent none)."""
+    return (data.get("metadata") or {}).get("name", "")
+
+
 async def mirror(api: AsyncClient, resource: Any, namespace: str, labels: dict[str, str] | None,
                  derive: Callable[[dict[str, Any]], T],
                  changed: Callable[[dict[str, T]], None]) -> None:
@@ -54,7 +59,7 @@ async def mirror(api: AsyncClient, resource: Any, namespace: str, labels: dict[s
     listing = api.list(resource, namespace=namespace, labels=labels)
     async for obj in listing:
         data = as_dict(obj)
-        state[(data.get("metadata") or {}).get("name", "")] = derive(data)
+        state[name_of(data)] = derive(data)
     changed(state)
     try:
         version: str | None = listing.resourceVersion
@@ -63,7 +68,7 @@ async def mirror(api: AsyncClient, resource: Any, namespace: str, labels: dict[s
     async for op, obj in api.watch(resource, namespace=namespace, labels=labels,
                                    resource_version=version):
         data = as_dict(obj)
-        name = (data.get("metadata") or {}).get("name", "")
+        name = name_of(data)
         if op == "DELETED":
             state.pop(name, None)
         elif op in ("ADDED", "MODIFIED"):
