@@ -1065,8 +1065,14 @@ def test_a_joining_request_is_charged_the_wait_of_the_turns_before_its_own():
     by name from "a"). A request of a new flow "c" waits behind a's first and b's (1 s),
     another of "b" behind b's own, a's first two and warm's first (2 s), another of "a"
     behind a's six, b's one and warm's four (5.5 s); without fairness, behind all eleven.
-    The queued tokens charged to its projection are those it waits behind."""
-    for fairness, waits in (("round-robin", {"c": 1.0, "b": 2.0, "a": 5.5}),
+    With fairness each wait is stretched by the later arrivals of other flows that will
+    take their turns first, at the rate such requests joined (21 in the last 5 s): those
+    that joined with fewer of their flow queued before them than it has of its own (none
+    for c; warm's first and a's first for b; warm's first six and b's for a), / (1 - r x
+    0.5). The queued tokens charged to its projection are those it waits behind."""
+    stretch = 1 / 5 * 0.5  # r x d for each overtaking join in the 5 s span
+    for fairness, waits in (("round-robin", {"c": 1.0, "b": 2.0 / (1 - 2 * stretch),
+                                             "a": 5.5 / (1 - 7 * stretch)}),
                             ("none", {"c": 5.5, "b": 5.5, "a": 5.5})):
         router, clock, running = both_slots_taken(fairness=fairness)
         s = router.scheduler
@@ -1082,13 +1088,14 @@ def test_a_joining_request_is_charged_the_wait_of_the_turns_before_its_own():
         for flow, wait in waits.items():
             assert s.queue_wait_s(clock.t, flowing(router, flow)) == pytest.approx(wait), (
                 fairness, flow)
-        c, a = flowing(router, "c"), flowing(router, "a")
+        c, b = flowing(router, "c"), flowing(router, "b")
         s.admit(c, clock.t)
-        s.dequeue(c)
-        s.admit(a, clock.t)
-        # the same projection but for the wait (1 s against 5.5 s, fairly) and the
-        # prefill of the nine more requests' tokens ahead of a (~0.06 s on this pool)
-        assert 0 <= a.predicted_ttft_s - c.predicted_ttft_s - (waits["a"] - waits["c"]) < 0.1
+        s.dequeue(c)  # its join still counts: c's first overtakes the second b too
+        s.admit(b, clock.t)
+        b_wait = waits["b"] if fairness == "none" else 2.0 / (1 - 3 * stretch)
+        # the same projection but for the wait and the prefill of the two more requests'
+        # tokens ahead of b (~0.01 s on this pool)
+        assert 0 <= b.predicted_ttft_s - c.predicted_ttft_s - (b_wait - waits["c"]) < 0.1
 
 
 def test_in_the_least_work_order_the_queued_tokens_charged_are_its_whole_flows():

@@ -103,6 +103,10 @@ class Ticket:
     # Its flow (x-gateway-inference-fairness-id; "" for none): with admission.fairness
     # round-robin, the flows of one priority take freed slots in turn.
     flow: str = ""
+    # With fairness: how many of its flow's queued requests went before it when it was
+    # projected to join (``queue_wait_s``): a later arrival of another flow with fewer
+    # takes its turn before it.
+    flow_rank: int = 0
 
     def held(self) -> int:
         """About the bytes its prompt's hashes hold (``BLOCK_HELD``)."""
@@ -167,10 +171,10 @@ class Scheduler:
         # queue at prefill speed alone misses the engines' own limits (a full decode
         # batch drains the queue only as decodes finish).
         self.drained: deque[float] = deque(maxlen=DRAIN_WINDOW)
-        # When recent requests joined the queue since it last formed, with their priority
-        # and work order: how often a later arrival is served before a joining request
+        # When recent requests joined the queue since it last formed, with their priority,
+        # work order, flow and rank in it: how often a later arrival is served before a joining request
         # (``queue_wait_s``).
-        self.joined: deque[tuple[float, int, float]] = deque(maxlen=DRAIN_WINDOW)
+        self.joined: deque[tuple[float, int, float, str, int]] = deque(maxlen=DRAIN_WINDOW)
         self.ranked_joined_at = -math.inf  # the last join with a priority other than 0
         # id() of the engines the last pump saw that no waiting ticket could still use
         # (none when its walk stopped at ``LOOKAHEAD``: the tickets past it claim what
@@ -284,7 +288,7 @@ class Scheduler:
             self.drained.clear()  # a new queue: its rates are its own
             self.joined.clear()
         t.queued_at = now
-        self.joined.append((now, t.priority, t.work_order))
+        self.joined.append((now, t.priority, t.work_order, t.flow, t.flow_rank))
         if t.priority:
             self.ranked_joined_at = now
         self.queue.append(t)
@@ -319,25 +323,27 @@ class Scheduler:
         has drained: 0 with nothing ahead or too few dispatches to say.
 
         Later arrivals served before it (a higher priority; in the least-work order, less
-        work) take their turns while it waits: at ``d`` seconds a dispatch, ``ahead``
-        before it and ``r`` such arrivals a second (those that joined the queue lately),
-        it waits W = ahead x d + r x W x d, so W = ahead x d / (1 - r x d)
+        work; under ``admission.fairness``, another flow's with fewer of its flow queued
+        before it than ``t`` has of its own) take their turns while it waits: at ``d``
+        seconds a dispatch, ``ahead`` before it and ``r`` such arrivals a second (those
+        that joined the queue lately), it waits W = ahead x d + r x W x d, so W = ahead x d / (1 - r x d)
         (``_overtaking_rate``; ``OVERTAKEN_MAX`` caps r x d). Why: counting only those
         queued now, the least-work order projected an expensive request's wait as if
         nothing would overtake it, admitted it, and gave it up from the queue once its
         budget ran out: half that order's refusals on real vLLM came after such a wait
-        (docs/measurements.md, forty-seventh and forty-eighth sessions). Under
-        ``admission.fairness`` the other flows' turns are not projected so.
+        (docs/measurements.md, "The queue's overtakers").
         ``fair_ahead``: what ``_fair_ahead(t)`` gives, where the caller has it already."""
-        d = self.drained
-        if not self.queue or len(d) < DRAIN_MIN:
+        if not self.queue:
             return 0.0
         ahead = len(self.queue)
         overtaken = False
-        if fair_ahead is not None:
+        if t is not None and self.fair:
+            if fair_ahead is None:
+                fair_ahead = self._fair_ahead(t)
             ahead = len(fair_ahead)
-        elif t is not None and self.fair:
-            ahead = len(self._fair_ahead(t))
+            t.flow_rank = sum(1 for q in fair_ahead
+                              if q.flow == t.flow and q.priority == t.priority)
+            overtaken = True
         elif t is not None and (self.prioritized or t.priority):  # a lower priority is not ahead
             least_work = self.least_work
             ahead = sum(1 for q in self.queue if q.priority > t.priority or (
@@ -348,6 +354,9 @@ class Scheduler:
             overtaken = True
         elif t is not None and self.joined:  # FIFO: higher priorities that joined lately
             overtaken = self.ranked_joined_at >= self.joined[0][0]
+        d = self.drained
+        if len(d) < DRAIN_MIN:
+            return 0.0
         interval = (d[-1] - d[0]) / (len(d) - 1)
         wait = ahead * interval
         if overtaken and wait:
@@ -357,14 +366,20 @@ class Scheduler:
 
     def _overtaking_rate(self, now: float, t: Ticket) -> float:
         """How many requests a second have lately joined the queue that would be served
-        before ``t`` had they joined after it (a higher priority, or in the least-work
-        order less work: equal work goes in arrival order); 0 until ``DRAIN_MIN`` joined."""
+        before ``t`` had they joined after it (a higher priority; in the least-work order
+        less work, equal work going in arrival order; with fairness, another flow's with
+        a lower rank in its flow than ``t``'s in its own, ties left out as the turns
+        decide them); 0 until ``DRAIN_MIN`` joined."""
         joined = self.joined
         span = now - joined[0][0] if len(joined) >= DRAIN_MIN else 0.0
         if span <= 0:
             return 0.0
         priority, work, least_work = t.priority, t.work_order, self.least_work
-        return sum(1 for _, p, w in joined if p > priority or (
+        if self.fair:
+            flow, rank = t.flow, t.flow_rank
+            return sum(1 for _, p, w, f, r in joined if p > priority or p == priority and (
+                r < rank if f != flow else least_work and w < work)) / span
+        return sum(1 for _, p, w, _, _ in joined if p > priority or (
             p == priority and least_work and w < work)) / span
 
     def _place(self, t: Ticket, now: float, projections: list[Candidate],
