@@ -172,8 +172,8 @@ class Scheduler:
         # batch drains the queue only as decodes finish).
         self.drained: deque[float] = deque(maxlen=DRAIN_WINDOW)
         # When recent requests joined the queue since it last formed, with their priority,
-        # work order, flow and rank in it: how often a later arrival is served before a joining request
-        # (``queue_wait_s``).
+        # work order, flow and rank in it: how often a later arrival is served before a
+        # joining request (``queue_wait_s``).
         self.joined: deque[tuple[float, int, float, str, int]] = deque(maxlen=DRAIN_WINDOW)
         self.ranked_joined_at = -math.inf  # the last join with a priority other than 0
         # id() of the engines the last pump saw that no waiting ticket could still use
@@ -326,23 +326,27 @@ class Scheduler:
         work; under ``admission.fairness``, another flow's with fewer of its flow queued
         before it than ``t`` has of its own) take their turns while it waits: at ``d``
         seconds a dispatch, ``ahead`` before it and ``r`` such arrivals a second (those
-        that joined the queue lately), it waits W = ahead x d + r x W x d, so W = ahead x d / (1 - r x d)
-        (``_overtaking_rate``; ``OVERTAKEN_MAX`` caps r x d). Why: counting only those
-        queued now, the least-work order projected an expensive request's wait as if
-        nothing would overtake it, admitted it, and gave it up from the queue once its
+        that joined the queue lately), it waits W = ahead x d + r x W x d, so W = ahead x
+        d / (1 - r x d) (``_overtaking_rate``; ``OVERTAKEN_MAX`` caps r x d). Why:
+        counting only those queued now, the least-work order projected an expensive
+        request's wait as if nothing would overtake it, admitted it, and gave it up from the queue once its
         budget ran out: half that order's refusals on real vLLM came after such a wait
         (docs/measurements.md, "The queue's overtakers").
         ``fair_ahead``: what ``_fair_ahead(t)`` gives, where the caller has it already."""
         if not self.queue:
             return 0.0
-        ahead = len(self.queue)
-        overtaken = False
-        if t is not None and self.fair:
+        if t is not None and self.fair:  # its rank in its flow is recorded as it joins
             if fair_ahead is None:
                 fair_ahead = self._fair_ahead(t)
-            ahead = len(fair_ahead)
             t.flow_rank = sum(1 for q in fair_ahead
                               if q.flow == t.flow and q.priority == t.priority)
+        d = self.drained
+        if len(d) < DRAIN_MIN:
+            return 0.0
+        ahead = len(self.queue)
+        overtaken = False
+        if fair_ahead is not None:
+            ahead = len(fair_ahead)
             overtaken = True
         elif t is not None and (self.prioritized or t.priority):  # a lower priority is not ahead
             least_work = self.least_work
@@ -354,9 +358,6 @@ class Scheduler:
             overtaken = True
         elif t is not None and self.joined:  # FIFO: higher priorities that joined lately
             overtaken = self.ranked_joined_at >= self.joined[0][0]
-        d = self.drained
-        if len(d) < DRAIN_MIN:
-            return 0.0
         interval = (d[-1] - d[0]) / (len(d) - 1)
         wait = ahead * interval
         if overtaken and wait:
