@@ -25,9 +25,10 @@ in a closed loop straight to vLLM, which runs 8 at a time). Per path and load: g
 (completed within the budget, per second), % of admitted within it, TTFT p50/p90/p99,
 refused, of the refusals the share given up from Narwhal's queue after a wait (``gave
 up``: their message says so) and the 90th percentile of the refused clients' wait for
-their answer (``wait p90``), and Narwhal's TTFT prediction error (header ``x-narwhal-predicted-ttft-ms``
-against the client's measurement). ``direct`` is the client straight to vLLM: what any
-router without admission control gives in front of one engine.
+their answer (``wait p90``), and Narwhal's TTFT prediction error (header
+``x-narwhal-predicted-ttft-ms`` against the client's measurement). ``direct`` is the
+client straight to vLLM: what any router without admission control gives in front of
+one engine.
 """
 
 from __future__ import annotations
@@ -257,8 +258,8 @@ def main() -> int:
                             trace.stop()
                         if args.samples:
                             dump(results, Path(args.samples) / f"{name}.jsonl")
-                        whole = summarize(results, args.duration, budget_s, 1.0)
-                        rows.append((path, load, whole))
+                        rows.append((path, load, summarize(results, args.duration, budget_s,
+                                                           1.0)))
                         for tag, part in apart(results, args.interactive, args.heavy):
                             rows.append((f"{path}:{tag}", load,
                                          summarize(part, args.duration, budget_s, 1.0)))
@@ -284,8 +285,7 @@ def main() -> int:
         print(f"{path:16} {load:>4g} {s['offered'] / args.duration:6.2f} {s['goodput']:7.2f} "
               f"{s['in_budget']:9.1%} {_fmt(s['ttft50']):>8} {_fmt(s['ttft90']):>7} "
               f"{_fmt(s['ttft99']):>7} {s['refused']:7.1%} {_fmt(s['gave_up'], True):>7} "
-              f"{_fmt(s['refusal_wait90']):>8} {s['other']:5d} "
-              f"{err:>19}")
+              f"{_fmt(s['refusal_wait90']):>8} {s['other']:5d} {err:>19}")
     return 0
 
 

@@ -289,11 +289,10 @@ class Scheduler:
             self.joined.clear()
         t.queued_at = now
         self.joined.append((now, t.priority, t.work_order, t.flow, t.flow_rank))
-        if t.priority:
-            self.ranked_joined_at = now
         self.queue.append(t)
         if t.priority:
             self.prioritized += 1
+            self.ranked_joined_at = now
         self.unclaimed.difference_update(id(e) for e in engines)  # until a pump says
         self.queued_tokens += t.tokens
         return Queued()
@@ -329,9 +328,9 @@ class Scheduler:
         that joined the queue lately), it waits W = ahead x d + r x W x d, so W = ahead x
         d / (1 - r x d) (``_overtaking_rate``; ``OVERTAKEN_MAX`` caps r x d). Why:
         counting only those queued now, the least-work order projected an expensive
-        request's wait as if nothing would overtake it, admitted it, and gave it up from the queue once its
-        budget ran out: half that order's refusals on real vLLM came after such a wait
-        (docs/measurements.md, "The queue's overtakers").
+        request's wait as if nothing would overtake it, admitted it, and gave it up from
+        the queue once its budget ran out: half that order's refusals on real vLLM came
+        after such a wait (docs/measurements.md, "The queue's overtakers").
         ``fair_ahead``: what ``_fair_ahead(t)`` gives, where the caller has it already."""
         if not self.queue:
             return 0.0
